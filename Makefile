@@ -1,0 +1,38 @@
+# TrainMover developer commands. Each target works from a fresh clone with python3 and make.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test demo bench lint schemas clean
+
+install: $(STAMP)
+
+# torch first: the CPU wheel 2.13.0 when none is present (a newer torch would be a
+# multi-GB CUDA download); a torch already in the environment is kept.
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+demo: install
+	$(VENV)/bin/trainmover demo
+
+bench: install
+	$(VENV)/bin/trainmover bench
+
+lint: install
+	$(VENV)/bin/ruff check shared services tests
+	$(VENV)/bin/ruff format --check shared services tests
+	$(PY) tools/mypy_check.py
+
+schemas: install
+	$(PY) -m trainmover.schemas
+
+clean:
+	rm -rf $(VENV) .build .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""TrainMover's services: one folder each (health_monitor, planner, executor, sidecar)."""

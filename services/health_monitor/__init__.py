@@ -1,0 +1,1 @@
+"""The health_monitor service."""
