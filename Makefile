@@ -27,9 +27,10 @@ bench: install
 	$(VENV)/bin/trainmover bench
 
 lint: install
-	$(VENV)/bin/ruff check shared services tests
-	$(VENV)/bin/ruff format --check shared services tests
+	$(VENV)/bin/ruff check shared services tests tools
+	$(VENV)/bin/ruff format --check shared services tests tools
 	$(PY) tools/mypy_check.py
+	$(PY) -m trainmover.schemas --check
 
 schemas: install
 	$(PY) -m trainmover.schemas

@@ -1,0 +1,294 @@
+"""Bus helpers over nats-py: connect, job resources, durable publish, commands, dead letters.
+
+- `connect` probes the server first, so an unreachable URL is one clear error instead of
+  nats-py's long silent retry loop, then keeps reconnecting once connected.
+- `ensure_job` creates the job's streams and key-value bucket idempotently (file
+  storage, so they survive a server restart).
+- `publish_durable` publishes to JetStream and waits for the ack; the message id becomes
+  `Nats-Msg-Id`, so a retried publish is stored once.
+- `request` sends a Command and retries on timeout with the same `command_id`;
+  `CommandServer` answers them and replays the reply for a command it already ran.
+- `dead_letter` records rejected input with its raw payload and reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlparse
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import PubAck, StorageType
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from trainmover.logs import get_logger
+from trainmover.messages import Command, CommandReply, DeadLetter, Message, MessageError, decode
+from trainmover.natsserver import port_open
+from trainmover.subjects import JobSubjects
+
+log = get_logger("bus")
+
+MAX_PAYLOAD = 1024 * 1024
+"""Largest message any service accepts (bytes); larger input is dead-lettered."""
+
+DUPLICATE_WINDOW_S = 300.0
+
+
+class BusUnreachable(ConnectionError):
+    """No NATS server answers at the given URL."""
+
+
+class CommandFailed(RuntimeError):
+    """A command got no reply after its retries, or the reply said it failed."""
+
+
+def _servers(url: str) -> list[tuple[str, int]]:
+    out = []
+    for part in url.split(","):
+        parsed = urlparse(part.strip() if "://" in part else f"nats://{part.strip()}")
+        if not parsed.hostname:
+            raise BusUnreachable(f"invalid NATS URL {part!r}")
+        out.append((parsed.hostname, parsed.port or 4222))
+    return out
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    token: str | None = None,
+    max_reconnect_attempts: int = -1,
+) -> NatsClient:
+    """Connects to NATS at `url` (comma-separated for a cluster), or raises BusUnreachable."""
+    servers = _servers(url)
+    reachable = await asyncio.gather(
+        *(asyncio.to_thread(port_open, host, port, 1.0) for host, port in servers)
+    )
+    if not any(reachable):
+        raise BusUnreachable(f"cannot reach NATS at {url}: nothing listens there")
+
+    async def on_error(err: Exception) -> None:
+        log.warning("nats_error", client=name, error=str(err))
+
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected", client=name)
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected", client=name)
+
+    try:
+        return await nats.connect(
+            servers=[f"nats://{h}:{p}" for h, p in servers],
+            name=name,
+            user=user,
+            password=password,
+            token=token,
+            connect_timeout=2,
+            allow_reconnect=True,
+            max_reconnect_attempts=max_reconnect_attempts,
+            reconnect_time_wait=0.2,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
+    except Exception as err:  # nats-py raises several unrelated types here
+        raise BusUnreachable(f"cannot connect to NATS at {url}: {err}") from err
+
+
+async def ensure_job(js: JetStreamContext, job: str) -> KeyValue:
+    """Creates the job's streams and state bucket if missing; returns the bucket."""
+    subjects = JobSubjects(job)
+    for stream, subs in subjects.streams.items():
+        config: dict[str, Any] = dict(
+            name=stream,
+            subjects=subs,
+            storage=StorageType.FILE,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            max_msg_size=MAX_PAYLOAD,
+        )
+        try:
+            await js.stream_info(stream)
+            await js.update_stream(**config)
+        except NotFoundError:
+            await js.add_stream(**config)
+    return await job_bucket(js, job, create=True)
+
+
+async def job_bucket(js: JetStreamContext, job: str, create: bool = False) -> KeyValue:
+    """The job's cluster-state bucket; raises BucketNotFoundError unless `create`."""
+    bucket = JobSubjects(job).bucket
+    try:
+        return await js.key_value(bucket)
+    except BucketNotFoundError:
+        if not create:
+            raise
+        return await js.create_key_value(bucket=bucket, history=16, storage=StorageType.FILE)
+
+
+async def publish_durable(
+    js: JetStreamContext,
+    subject: str,
+    message: Message,
+    msg_id: str | None = None,
+    timeout: float = 5.0,
+) -> PubAck:
+    """Publishes `message` to JetStream and waits for the ack.
+
+    `msg_id` (e.g. the event id) deduplicates retries within the stream's window.
+    """
+    headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+    return await js.publish(subject, message.to_json(), timeout=timeout, headers=headers)
+
+
+async def dead_letter(
+    js: JetStreamContext, job: str, subject: str, payload: bytes, reason: str, service: str
+) -> None:
+    """Records rejected input on the job's dead-letter subject; never raises."""
+    try:
+        text = payload[:MAX_PAYLOAD].decode()
+    except UnicodeDecodeError:
+        text = "base64:" + base64.b64encode(payload[:MAX_PAYLOAD]).decode()
+    letter = DeadLetter(job=job, subject=subject, reason=reason, payload=text, service=service)
+    log.warning("input_rejected", job=job, subject=subject, reason=reason, service=service)
+    try:
+        await publish_durable(js, JobSubjects(job).deadletter, letter)
+    except Exception as err:  # the rejection is already logged; losing the copy is not fatal
+        log.error("dead_letter_failed", job=job, subject=subject, error=str(err))
+
+
+async def request(
+    nc: NatsClient, command: Command, *, timeout: float = 2.0, retries: int = 3
+) -> CommandReply:
+    """Sends `command` to its machine's sidecar; retries timeouts with the same id.
+
+    Raises CommandFailed when no reply comes after `retries` attempts or the reply is
+    not a valid CommandReply. A reply with ok=False is returned, not raised.
+    """
+    subject = JobSubjects(command.job).command(command.machine)
+    last = ""
+    for attempt in range(1, retries + 1):
+        try:
+            msg = await nc.request(subject, command.to_json(), timeout=timeout)
+        except (NatsTimeout, NoRespondersError) as err:
+            last = type(err).__name__
+            log.info(
+                "command_retry",
+                job=command.job,
+                machine=command.machine,
+                op=command.op,
+                command_id=command.command_id,
+                attempt=attempt,
+                plan_id=command.plan_id,
+                error=last,
+            )
+            if isinstance(err, NoRespondersError):
+                await asyncio.sleep(min(timeout, 0.1 * attempt))  # nobody listens yet
+            continue
+        try:
+            return decode(CommandReply, msg.data)
+        except MessageError as err:
+            raise CommandFailed(f"{command.op} to {command.machine}: bad reply: {err}") from err
+    raise CommandFailed(
+        f"{command.op} to {command.machine}: no reply after {retries} attempts ({last})"
+    )
+
+
+Handler = Callable[[Command], Awaitable[dict[str, Any]]]
+
+
+class CommandServer:
+    """Answers Commands for one machine; a command id seen before gets its first reply.
+
+    `handler` returns the result dict, or raises to reply ok=False with the reason.
+    Malformed commands are answered with an error and dead-lettered.
+    """
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        job: str,
+        machine: str,
+        handler: Handler,
+        service: str = "sidecar",
+        remember: int = 4096,
+    ) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._job = job
+        self._machine = machine
+        self._handler = handler
+        self._service = service
+        self._replies: OrderedDict[str, asyncio.Future[CommandReply]] = OrderedDict()
+        self._remember = remember
+        self._sub: Any = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(
+            JobSubjects(self._job).command(self._machine), cb=self._on_msg
+        )
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        # nats-py runs a subscription's callbacks one at a time: hand each command to
+        # its own task so a slow command does not hold up the others.
+        task = asyncio.create_task(self._answer(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, msg: Msg) -> None:
+        try:
+            if len(msg.data) > MAX_PAYLOAD:
+                raise MessageError(f"payload of {len(msg.data)} bytes exceeds {MAX_PAYLOAD}")
+            command = decode(Command, msg.data)
+        except MessageError as err:
+            await dead_letter(self._js, self._job, msg.subject, msg.data, str(err), self._service)
+            if msg.reply:
+                await msg.respond(CommandReply(command_id="", ok=False, error=str(err)).to_json())
+            return
+        fut = self._replies.get(command.command_id)
+        if fut is None:
+            # First sight of this id: run it once; a retry arriving while it runs waits
+            # for the same future instead of running it again.
+            fut = asyncio.get_running_loop().create_future()
+            self._replies[command.command_id] = fut
+            while len(self._replies) > self._remember:
+                self._replies.popitem(last=False)
+            fut.set_result(await self._run(command))
+        reply = await fut
+        if msg.reply:
+            await msg.respond(reply.to_json())
+
+    async def _run(self, command: Command) -> CommandReply:
+        try:
+            result = await self._handler(command)
+            return CommandReply(command_id=command.command_id, ok=True, result=result)
+        except Exception as err:
+            log.warning(
+                "command_failed",
+                job=command.job,
+                machine=command.machine,
+                op=command.op,
+                plan_id=command.plan_id,
+                error=str(err),
+            )
+            return CommandReply(
+                command_id=command.command_id, ok=False, error=f"{type(err).__name__}: {err}"
+            )

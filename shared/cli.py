@@ -1,0 +1,252 @@
+"""The `trainmover` command line: drain, fail, status, watch, up, service, version.
+
+Every failure is one line on stderr and a non-zero exit (2 for bad input, 1 for a bus or
+job error), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from trainmover import __version__, logs
+from trainmover.bus import BusUnreachable
+from trainmover.client import TrainMoverClient, TrainMoverError
+from trainmover.messages import TERMINAL_STATES, MessageError, MigrationProgress
+from trainmover.natsserver import NatsServerError
+from trainmover.subjects import InvalidName, check_name
+
+SERVICES = ("health-monitor", "planner", "executor", "sidecar")
+
+
+class CliError(Exception):
+    """Bad input on the command line (exit 2)."""
+
+
+def _module_name(service: str) -> str:
+    return "trainmover.services." + service.replace("-", "_")
+
+
+def service_main(service: str) -> Callable[[list[str]], int]:
+    """The `main(argv)` of a service, or CliError when this build does not have it."""
+    if service not in SERVICES:
+        raise CliError(f"unknown service {service!r} (choose from {', '.join(SERVICES)})")
+    module = importlib.import_module(_module_name(service))
+    main = getattr(module, "main", None)
+    if main is None:
+        raise CliError(f"service {service!r} is not available in this build yet")
+    return main  # type: ignore[no-any-return]
+
+
+async def _drain(args: argparse.Namespace) -> int:
+    async with await TrainMoverClient.connect(args.nats_url) as tm:
+        event_id = await tm.drain(args.job, args.machine, args.reason, args.deadline)
+        print(event_id)
+        return await _maybe_wait(tm, args, event_id)
+
+
+async def _fail(args: argparse.Namespace) -> int:
+    async with await TrainMoverClient.connect(args.nats_url) as tm:
+        event_id = await tm.report_failure(args.job, args.machine, args.reason)
+        print(event_id)
+        return await _maybe_wait(tm, args, event_id)
+
+
+async def _maybe_wait(tm: TrainMoverClient, args: argparse.Namespace, event_id: str) -> int:
+    if args.wait is None:
+        return 0
+    progress = await tm.wait_for_migration(args.job, event_id, timeout=args.wait)
+    print(_progress_line(progress))
+    return 0 if progress.state == "done" else 1
+
+
+def _progress_line(p: MigrationProgress) -> str:
+    parts = [f"{p.state:<12}", f"event={p.event_id[:8]}"]
+    if p.leaver:
+        parts.append(f"{p.leaver} -> {p.joiner or '?'}")
+    if p.downtime_s is not None:
+        parts.append(f"downtime={p.downtime_s:.3f}s")
+    if p.detail:
+        parts.append(p.detail)
+    return "  ".join(parts)
+
+
+async def _status(args: argparse.Namespace) -> int:
+    async with await TrainMoverClient.connect(args.nats_url) as tm:
+        state = await tm.status(args.job)
+    if args.json:
+        print(state.model_dump_json(indent=2))
+        return 0
+    lay = state.layout
+    print(
+        f"job {state.job}  layout TP{lay.tp} x PP{lay.pp} x DP{lay.dp}  "
+        f"({lay.ranks_per_machine} ranks/machine)  revision {state.revision}"
+    )
+    print(f"{'machine':<16}{'status':<13}{'roles (rank:dp/pp/tp)':<34}warm role types")
+    for name, m in sorted(state.machines.items()):
+        roles = " ".join(f"{r.rank}:{r.dp}/{r.pp}/{r.tp}" for r in m.roles) or "-"
+        print(f"{name:<16}{m.status:<13}{roles:<34}{','.join(m.warm_role_types) or '-'}")
+    for event_id, plan_id in state.in_flight.items():
+        print(f"in flight: event {event_id} plan {plan_id}")
+    return 0
+
+
+async def _watch(args: argparse.Namespace) -> int:
+    seen = 0
+    async with await TrainMoverClient.connect(args.nats_url) as tm:
+        async with tm.watch(args.job, from_start=args.from_start) as items:
+            async for item in items:
+                if args.json:
+                    print(item.model_dump_json(), flush=True)
+                elif isinstance(item, MigrationProgress):
+                    print(_progress_line(item), flush=True)
+                else:
+                    print(
+                        f"{'event':<12}  {item.kind} {item.machine or '-'} "
+                        f"event={item.event_id[:8]} source={item.source} {item.reason}",
+                        flush=True,
+                    )
+                seen += 1
+                if args.count and seen >= args.count:
+                    break
+                if (
+                    args.until_done
+                    and isinstance(item, MigrationProgress)
+                    and item.state in TERMINAL_STATES
+                ):
+                    break
+    return 0
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from trainmover.stack import Stack
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Stack(
+        nats_url=args.nats_url, store_dir=args.store_dir, job_config=args.job_config
+    ) as stack:
+        print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
+        print(
+            f"trainmover up: running {', '.join(stack.running) or 'bus only'}; "
+            "Ctrl-C stops everything",
+            file=sys.stderr,
+            flush=True,
+        )
+        await stack.wait(stop)
+    return 0
+
+
+def _name(what: str) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        try:
+            return check_name(what, value)
+        except InvalidName as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    check.__name__ = what
+    return check
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trainmover", description=__doc__.splitlines()[0])
+    p.add_argument("--nats-url", help="NATS server(s); default $TRAINMOVER_NATS_URL")
+    p.add_argument("--log-format", choices=["json", "console"], help="log line format")
+    p.add_argument("--log-level", default=None, help="debug, info, warning, error")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_wait(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--wait",
+            type=float,
+            metavar="SECONDS",
+            help="wait for the migration to end; exit 1 unless it is done",
+        )
+
+    d = sub.add_parser("drain", help="planned migration of a machine")
+    d.add_argument("job", type=_name("job"))
+    d.add_argument("machine", type=_name("machine"))
+    d.add_argument("--reason", default="")
+    d.add_argument("--deadline", type=float, metavar="SECONDS", help="must be gone within")
+    with_wait(d)
+
+    f = sub.add_parser("fail", help="report a machine as failed")
+    f.add_argument("job", type=_name("job"))
+    f.add_argument("machine", type=_name("machine"))
+    f.add_argument("--reason", default="")
+    with_wait(f)
+
+    s = sub.add_parser("status", help="machines, roles, standbys, migrations of a job")
+    s.add_argument("job", type=_name("job"))
+    s.add_argument("--json", action="store_true")
+
+    w = sub.add_parser("watch", help="follow a job's events and migration progress")
+    w.add_argument("job", type=_name("job"))
+    w.add_argument("--from-start", action="store_true", help="replay what the bus holds")
+    w.add_argument("--json", action="store_true")
+    w.add_argument("--count", type=int, default=0, help="stop after N items")
+    w.add_argument("--until-done", action="store_true", help="stop at the first ended migration")
+
+    u = sub.add_parser("up", help="start the embedded stack (NATS, services, local cluster)")
+    u.add_argument("--store-dir", help="JetStream state directory (default: temporary)")
+    u.add_argument("--job-config", help="job config file for the local cluster")
+
+    sv = sub.add_parser("service", help="run one service in the foreground")
+    sv.add_argument("name", choices=SERVICES)
+    sv.add_argument("args", nargs=argparse.REMAINDER, help="the service's own options")
+
+    sub.add_parser("version", help="print the version")
+    return p
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = {
+    "drain": _drain,
+    "fail": _fail,
+    "status": _status,
+    "watch": _watch,
+    "up": _up,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logs.configure(args.log_format, args.log_level)
+    try:
+        if args.command == "version":
+            print(f"trainmover {__version__}")
+            return 0
+        if args.command == "service":
+            extra = (["--nats-url", args.nats_url] if args.nats_url else []) + args.args
+            return service_main(args.name)(extra)
+        return asyncio.run(COMMANDS[args.command](args))
+    except (CliError, InvalidName, MessageError) as err:
+        print(f"trainmover: error: {err}", file=sys.stderr)
+        return 2
+    except (TrainMoverError, BusUnreachable, NatsServerError) as err:
+        print(f"trainmover: error: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:  # pydantic validation of CLI-built messages
+        print(f"trainmover: error: invalid input: {_first_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err)
+    if hasattr(err, "errors"):
+        first = err.errors()[0]
+        return f"field '{'.'.join(map(str, first['loc']))}': {first['msg']}"
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The async Python client: drain or fail a machine, read a job's state, follow migrations.
+
+    async with await TrainMoverClient.connect("nats://127.0.0.1:4222") as tm:
+        event_id = await tm.drain("job1", "m2", reason="driver update", deadline_s=600)
+        done = await tm.wait_for_migration("job1", event_id, timeout=120)
+        print(done.state, done.downtime_s)
+
+Usable from any asyncio program; every public method is typed and raises a subclass of
+TrainMoverError (or BusUnreachable) with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+
+from trainmover import bus
+from trainmover.logs import get_logger
+from trainmover.messages import (
+    TERMINAL_STATES,
+    ClusterState,
+    DrainEvent,
+    FailureEvent,
+    MessageError,
+    MigrationProgress,
+    RebalanceEvent,
+    StragglerEvent,
+    decode,
+    decode_event,
+)
+from trainmover.natsserver import resolve_url
+from trainmover.subjects import STATE_KEY, JobSubjects, check_name
+
+Event = DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent
+
+log = get_logger("client")
+
+
+class TrainMoverError(RuntimeError):
+    """Base of the client's errors; the message is a one-line reason."""
+
+
+class UnknownJob(TrainMoverError):
+    pass
+
+
+class UnknownMachine(TrainMoverError):
+    pass
+
+
+class MachineLeaving(TrainMoverError):
+    """The machine is already leaving, failed or in maintenance."""
+
+
+class MigrationTimeout(TrainMoverError):
+    pass
+
+
+class TrainMoverClient:
+    """A connection to the bus, for operators' scripts, the CLI and tests."""
+
+    def __init__(self, nc: NatsClient) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str | None = None,
+        *,
+        name: str = "trainmover-client",
+        user: str | None = None,
+        password: str | None = None,
+        token: str | None = None,
+    ) -> TrainMoverClient:
+        """Connects to `url` (or $TRAINMOVER_NATS_URL); raises BusUnreachable."""
+        resolved = resolve_url(url)
+        if not resolved:
+            raise TrainMoverError(
+                "no NATS URL: pass --nats-url or set TRAINMOVER_NATS_URL "
+                "(`trainmover up` prints it)"
+            )
+        nc = await bus.connect(resolved, name, user=user, password=password, token=token)
+        return cls(nc)
+
+    async def close(self) -> None:
+        await self._nc.drain()
+
+    async def __aenter__(self) -> TrainMoverClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # --- state -----------------------------------------------------------------------
+
+    async def status(self, job: str) -> ClusterState:
+        """The planner's current view of `job`; raises UnknownJob when there is none."""
+        check_name("job", job)
+        try:
+            bucket = await bus.job_bucket(self._js, job)
+            entry = await bucket.get(STATE_KEY)
+        except (BucketNotFoundError, KeyNotFoundError):
+            raise UnknownJob(f"unknown job {job!r}: no planner has registered it") from None
+        if entry.value is None:
+            raise UnknownJob(f"unknown job {job!r}: its state was deleted")
+        return decode(ClusterState, entry.value)
+
+    # --- events ----------------------------------------------------------------------
+
+    async def drain(
+        self, job: str, machine: str, reason: str = "", deadline_s: float | None = None
+    ) -> str:
+        """Asks for a planned migration of `machine`; returns the event id."""
+        return await self.publish_event(
+            DrainEvent(job=job, machine=machine, reason=reason, deadline_s=deadline_s)
+        )
+
+    async def report_failure(self, job: str, machine: str, reason: str = "") -> str:
+        """Reports `machine` as failed (unplanned migration); returns the event id."""
+        return await self.publish_event(FailureEvent(job=job, machine=machine, reason=reason))
+
+    async def rebalance(self, job: str, machine: str | None = None, reason: str = "") -> str:
+        """Asks to move `machine` (or the slowest one); returns the event id."""
+        return await self.publish_event(RebalanceEvent(job=job, machine=machine, reason=reason))
+
+    async def publish_event(self, event: Event) -> str:
+        """Checks the machine against the job's state, then publishes `event` durably."""
+        state = await self.status(event.job)
+        if event.machine is not None:
+            machine = state.machines.get(event.machine)
+            if machine is None:
+                raise UnknownMachine(
+                    f"unknown machine {event.machine!r} in job {event.job!r} "
+                    f"(known: {', '.join(sorted(state.machines)) or 'none'})"
+                )
+            if event.kind != "failure" and machine.status in ("leaving", "failed", "maintenance"):
+                raise MachineLeaving(
+                    f"machine {event.machine!r} is already {machine.status}: nothing to "
+                    f"{event.kind}"
+                )
+        await bus.publish_durable(
+            self._js, JobSubjects(event.job).event(event.kind), event, msg_id=event.event_id
+        )
+        log.info(
+            "event_published",
+            job=event.job,
+            machine=event.machine,
+            kind=event.kind,
+            event_id=event.event_id,
+        )
+        return event.event_id
+
+    # --- following migrations ----------------------------------------------------------
+
+    def watch(self, job: str, *, from_start: bool = False) -> Watch:
+        """Follows the job's events and migration progress as they are published.
+
+            async with tm.watch("job1") as items:
+                async for item in items:   # DrainEvent, ..., MigrationProgress
+                    ...
+
+        The subscriptions exist once the `async with` is entered, so nothing published
+        after that is missed. With `from_start`, first replays what the bus still holds.
+        """
+        return Watch(self, job, from_start)
+
+    async def wait_for_migration(
+        self, job: str, event_id: str, timeout: float = 120.0
+    ) -> MigrationProgress:
+        """Waits for the migration caused by `event_id` to end; returns its last progress.
+
+        The returned state is one of TERMINAL_STATES (done, aborted, failed, fallback,
+        rejected); raises MigrationTimeout when none comes within `timeout` seconds.
+        """
+
+        async def terminal() -> MigrationProgress:
+            async with self.watch(job, from_start=True) as items:
+                async for item in items:
+                    if (
+                        isinstance(item, MigrationProgress)
+                        and item.event_id == event_id
+                        and item.state in TERMINAL_STATES
+                    ):
+                        return item
+            raise AssertionError("unreachable: watch never ends")
+
+        try:
+            return await asyncio.wait_for(terminal(), timeout)
+        except TimeoutError:
+            raise MigrationTimeout(
+                f"migration for event {event_id} in job {job!r} did not finish in {timeout}s"
+            ) from None
+
+
+class Watch:
+    """An open subscription to a job's events and progress; see TrainMoverClient.watch."""
+
+    def __init__(self, client: TrainMoverClient, job: str, from_start: bool) -> None:
+        self._client = client
+        self._job = job
+        self._from_start = from_start
+        self._queue: asyncio.Queue[Event | MigrationProgress] = asyncio.Queue()
+        self._subs: list[Any] = []
+
+    async def __aenter__(self) -> Watch:
+        await self._client.status(self._job)  # UnknownJob before subscribing to nothing
+        subjects = JobSubjects(self._job)
+        policy = DeliverPolicy.ALL if self._from_start else DeliverPolicy.NEW
+        js = self._client._js
+        self._subs = [
+            await js.subscribe(
+                subjects.events,
+                cb=self._on(decode_event),
+                ordered_consumer=True,
+                deliver_policy=policy,
+            ),
+            await js.subscribe(
+                subjects.progress,
+                cb=self._on(lambda raw: decode(MigrationProgress, raw)),
+                ordered_consumer=True,
+                deliver_policy=policy,
+            ),
+        ]
+        return self
+
+    def _on(
+        self, parse: Callable[[bytes], Event | MigrationProgress]
+    ) -> Callable[[Msg], Awaitable[None]]:
+        async def deliver(msg: Msg) -> None:
+            try:
+                self._queue.put_nowait(parse(msg.data))
+            except MessageError as err:
+                log.warning(
+                    "watch_skipped_invalid", job=self._job, subject=msg.subject, reason=str(err)
+                )
+
+        return deliver
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs = []
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> Event | MigrationProgress:
+        if not self._subs:
+            raise StopAsyncIteration
+        return await self._queue.get()

@@ -1,0 +1,397 @@
+"""Every message TrainMover puts on the bus, as strict pydantic v2 models.
+
+Each message carries `schema_version`; a different version, an unknown `kind`, a missing
+or extra field, or a value of the wrong type is rejected by `decode` with a one-line
+reason that names the field. docs/schemas/*.json is generated from these models
+(`python -m trainmover.schemas`), so producers in other languages validate against the
+same contract.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+SCHEMA_VERSION = 1
+
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+"""A job or machine name: it becomes a subject token."""
+
+
+def new_id() -> str:
+    """A fresh unique id for an event, plan or command."""
+    return uuid.uuid4().hex
+
+
+def now() -> float:
+    """Wall-clock time as Unix seconds, the unit of every `ts` field."""
+    return time.time()
+
+
+class MessageError(ValueError):
+    """Input that is not a valid message; `str()` is a one-line reason naming the field."""
+
+
+class Message(BaseModel):
+    """Base of every message: strict, closed to unknown fields, versioned."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    schema_version: int = SCHEMA_VERSION
+
+    @field_validator("schema_version")
+    @classmethod
+    def _supported_version(cls, value: int) -> int:
+        if value != SCHEMA_VERSION:
+            raise ValueError(
+                f"unsupported schema_version {value} (this build speaks {SCHEMA_VERSION})"
+            )
+        return value
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+# --- parallel layout -----------------------------------------------------------------
+
+
+class Role(Message):
+    """A worker's coordinates in the parallel layout; a joiner takes them over unchanged."""
+
+    rank: int = Field(ge=0)
+    dp: int = Field(ge=0)
+    pp: int = Field(ge=0)
+    tp: int = Field(ge=0)
+
+
+class Layout(Message):
+    """The job's parallel layout: TP inside a machine, PP across machines, DP across replicas."""
+
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    dp: int = Field(ge=1)
+    ranks_per_machine: int = Field(ge=1)
+
+
+class GroupRef(Message):
+    """One communication group at one generation (rebuilding bumps the generation)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    generation: int = Field(ge=0)
+
+
+# --- interruption events (health-monitor / client -> planner) ------------------------
+
+EventSource = Literal[
+    "client",
+    "heartbeat",
+    "worker_exit",
+    "collective_error",
+    "straggler_detector",
+    "alertmanager",
+    "planner",
+    "policy",
+]
+
+
+class _Event(Message):
+    event_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    job: Name
+    machine: Name
+    reason: str = Field(default="", max_length=4096)
+    source: EventSource = "client"
+    ts: float = Field(default_factory=now)
+
+
+class DrainEvent(_Event):
+    """Planned: move the machine's role away before `deadline_s` seconds from `ts`."""
+
+    kind: Literal["drain"] = "drain"
+    deadline_s: float | None = Field(default=None, gt=0)
+
+
+class FailureEvent(_Event):
+    """Unplanned: the machine (or one of its workers) is gone."""
+
+    kind: Literal["failure"] = "failure"
+    exit_code: int | None = None
+
+
+class StragglerEvidence(Message):
+    machine_median_s: float = Field(ge=0)
+    job_median_s: float = Field(ge=0)
+    factor: float = Field(gt=0)
+    window: int = Field(ge=1)
+
+
+class StragglerEvent(_Event):
+    """The machine's compute time per step stayed above the job median by `factor`."""
+
+    kind: Literal["straggler"] = "straggler"
+    source: EventSource = "straggler_detector"
+    evidence: StragglerEvidence
+
+
+class RebalanceEvent(Message):
+    """Operator or policy asks to move a machine (named, or the slowest when None)."""
+
+    kind: Literal["rebalance"] = "rebalance"
+    event_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    job: Name
+    machine: Name | None = None
+    reason: str = Field(default="", max_length=4096)
+    source: EventSource = "client"
+    ts: float = Field(default_factory=now)
+
+
+InterruptionEvent = Annotated[
+    DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent, Field(discriminator="kind")
+]
+EVENT_KINDS = ("drain", "failure", "straggler", "rebalance")
+
+
+# --- signals (sidecars / workers -> health-monitor) ------------------------------------
+
+WorkerState = Literal["starting", "warming", "running", "standby", "exited"]
+MachineStatus = Literal["active", "standby", "leaving", "failed", "maintenance"]
+
+
+class WorkerStatus(Message):
+    local_rank: int = Field(ge=0)
+    pid: int | None = None
+    state: WorkerState
+    exit_code: int | None = None
+    step: int | None = None
+
+
+class Heartbeat(Message):
+    """Sent by each sidecar every interval; also at once when a worker exits."""
+
+    kind: Literal["heartbeat"] = "heartbeat"
+    job: Name
+    machine: Name
+    seq: int = Field(ge=0)
+    status: MachineStatus
+    workers: list[WorkerStatus] = Field(default_factory=list, max_length=1024)
+    warm_role_types: list[str] = Field(default_factory=list, max_length=16)
+    ts: float = Field(default_factory=now)
+
+
+class StepStats(Message):
+    """Per-machine compute time of one step, excluding time waiting in collectives."""
+
+    kind: Literal["step_stats"] = "step_stats"
+    job: Name
+    machine: Name
+    step: int = Field(ge=0)
+    compute_s: float = Field(ge=0)
+    ts: float = Field(default_factory=now)
+
+
+class CollectiveErrorReport(Message):
+    """A stayer's collective failed; `peer` is the machine it blames."""
+
+    kind: Literal["collective_error"] = "collective_error"
+    job: Name
+    machine: Name
+    peer: Name
+    group: str = Field(max_length=128)
+    error: str = Field(max_length=4096)
+    ts: float = Field(default_factory=now)
+
+
+# --- plans, commands, progress ---------------------------------------------------------
+
+PlanKind = Literal["planned", "unplanned", "checkpoint_restart"]
+
+
+class Move(Message):
+    """One leaver handing its roles to one joiner; state comes from `state_source`."""
+
+    leaver: Name
+    joiner: Name
+    roles: list[Role] = Field(max_length=1024)
+    state_source: Name
+
+
+class Plan(Message):
+    """The planner's answer to an event: who moves where, the delta, when to switch."""
+
+    kind: Literal["plan"] = "plan"
+    plan_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    job: Name
+    event_id: str = Field(min_length=1, max_length=128)
+    migration: PlanKind
+    moves: list[Move] = Field(max_length=1024)
+    delta: list[GroupRef] = Field(max_length=65536)
+    switch_step: int | None = Field(default=None, ge=0)
+    deadline_ts: float | None = None
+    ts: float = Field(default_factory=now)
+
+
+CommandOp = Literal[
+    "warm",
+    "prepare",
+    "commit",
+    "transfer",
+    "release",
+    "recover",
+    "abort",
+    "launch",
+    "shutdown",
+    "status",
+]
+
+
+class Command(Message):
+    """Executor -> sidecar request; `command_id` makes a retried command idempotent."""
+
+    kind: Literal["command"] = "command"
+    command_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    job: Name
+    machine: Name
+    op: CommandOp
+    plan_id: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+    ts: float = Field(default_factory=now)
+
+
+class CommandReply(Message):
+    kind: Literal["command_reply"] = "command_reply"
+    command_id: str
+    ok: bool
+    result: dict[str, Any] = Field(default_factory=dict)
+    error: str | None = None
+
+
+MigrationState = Literal[
+    "planned",
+    "queued",
+    "preparing",
+    "phase1",
+    "committing",
+    "transferring",
+    "releasing",
+    "done",
+    "aborted",
+    "failed",
+    "fallback",
+    "rejected",
+]
+TERMINAL_STATES = frozenset({"done", "aborted", "failed", "fallback", "rejected"})
+
+
+class MigrationProgress(Message):
+    """A migration entered `state`; terminal states end the migration of `event_id`."""
+
+    kind: Literal["progress"] = "progress"
+    job: Name
+    event_id: str
+    plan_id: str | None = None
+    state: MigrationState
+    detail: str = Field(default="", max_length=4096)
+    leaver: Name | None = None
+    joiner: Name | None = None
+    downtime_s: float | None = None
+    phases: dict[str, float] = Field(default_factory=dict)
+    ts: float = Field(default_factory=now)
+
+
+class DeadLetter(Message):
+    """Input a service rejected: the raw payload and why, so nothing vanishes silently."""
+
+    kind: Literal["dead_letter"] = "dead_letter"
+    job: str
+    subject: str
+    reason: str
+    payload: str
+    service: str
+    ts: float = Field(default_factory=now)
+
+
+# --- cluster state (planner-owned, in the job's key-value bucket) ---------------------
+
+
+class MachineState(Message):
+    status: MachineStatus
+    roles: list[Role] = Field(default_factory=list)
+    warm_role_types: list[str] = Field(default_factory=list)
+
+
+class ClusterState(Message):
+    """The planner's view of a job; `revision` grows with every write."""
+
+    kind: Literal["cluster_state"] = "cluster_state"
+    job: Name
+    layout: Layout
+    machines: dict[str, MachineState]
+    in_flight: dict[str, str] = Field(
+        default_factory=dict, description="event_id -> plan_id of unfinished migrations"
+    )
+    generations: dict[str, int] = Field(default_factory=dict)
+    revision: int = 0
+
+
+# --- decoding ------------------------------------------------------------------------------
+
+M = TypeVar("M", bound=Message)
+
+EVENT_ADAPTER: TypeAdapter[DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent] = (
+    TypeAdapter(InterruptionEvent)
+)
+
+
+def _reason(err: ValidationError, tagged: bool = False) -> str:
+    first = err.errors()[0]
+    # In a tagged union pydantic puts the tag first in the location; the producer
+    # knows which kind it sent, so name the field alone.
+    parts = first["loc"][1:] if tagged else first["loc"]
+    loc = ".".join(str(p) for p in parts)
+    msg = first["msg"].removeprefix("Value error, ")
+    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    if first["type"] == "json_invalid":
+        return f"malformed JSON: {msg}"
+    if first["type"] == "union_tag_invalid":
+        tag = first.get("ctx", {}).get("tag")
+        return f"field 'kind': unknown kind {tag!r}, expected one of {', '.join(EVENT_KINDS)}"
+    if first["type"] == "union_tag_not_found":
+        return f"field 'kind': missing, expected one of {', '.join(EVENT_KINDS)}"
+    return f"field '{loc}': {msg}{more}" if loc else f"{msg}{more}"
+
+
+def decode(model: type[M], raw: bytes | str) -> M:
+    """Parses and validates `raw` JSON as `model`, or raises MessageError with the reason."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as err:
+        raise MessageError(_reason(err)) from None
+
+
+def decode_event(raw: bytes | str) -> DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent:
+    """Parses any interruption event, dispatching on its `kind`."""
+    try:
+        return EVENT_ADAPTER.validate_json(raw)
+    except ValidationError as err:
+        raise MessageError(_reason(err, tagged=True)) from None
+
+
+ALL_MESSAGES: dict[str, Any] = {
+    "interruption_event": InterruptionEvent,
+    "drain_event": DrainEvent,
+    "failure_event": FailureEvent,
+    "straggler_event": StragglerEvent,
+    "rebalance_event": RebalanceEvent,
+    "heartbeat": Heartbeat,
+    "step_stats": StepStats,
+    "collective_error_report": CollectiveErrorReport,
+    "plan": Plan,
+    "command": Command,
+    "command_reply": CommandReply,
+    "migration_progress": MigrationProgress,
+    "dead_letter": DeadLetter,
+    "cluster_state": ClusterState,
+}
+"""Schema file name -> model (or union) for docs/schemas/."""

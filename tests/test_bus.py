@@ -1,0 +1,152 @@
+"""Bus helpers against a real nats-server: job resources, durability, commands, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from trainmover import bus
+from trainmover.messages import Command, DeadLetter, DrainEvent, decode, decode_event
+from trainmover.natsserver import EmbeddedNats
+from trainmover.subjects import JobSubjects
+
+
+async def test_ensure_job_is_idempotent(nc, job):
+    js = nc.jetstream()
+    first = await bus.ensure_job(js, job)
+    second = await bus.ensure_job(js, job)
+    assert first._name == second._name  # same bucket, not a second one
+    names = {s.config.name for s in await js.streams_info()}
+    assert set(JobSubjects(job).streams) <= names
+
+
+async def test_unreachable_server_is_one_clear_error():
+    with pytest.raises(bus.BusUnreachable, match="nothing listens"):
+        await bus.connect("nats://127.0.0.1:1", "test")
+    with pytest.raises(bus.BusUnreachable, match="invalid NATS URL"):
+        await bus.connect("nats://:4222", "test")
+
+
+async def test_publish_is_deduplicated_by_message_id(nc, job):
+    js = nc.jetstream()
+    await bus.ensure_job(js, job)
+    event = DrainEvent(job=job, machine="m0")
+    subject = JobSubjects(job).event("drain")
+    first = await bus.publish_durable(js, subject, event, msg_id=event.event_id)
+    again = await bus.publish_durable(js, subject, event, msg_id=event.event_id)
+    assert not first.duplicate and again.duplicate
+    info = await js.stream_info(JobSubjects(job).stream("EVENTS"))
+    assert info.state.messages == 1
+
+
+async def _read_all(js, stream: str, subject: str) -> list[bytes]:
+    sub = await js.pull_subscribe(
+        subject, stream=stream, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    )
+    out = []
+    try:
+        while True:
+            msgs = await sub.fetch(100, timeout=0.5)
+            out += [m.data for m in msgs]
+    except TimeoutError:
+        return out
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_event_survives_client_reconnect_and_server_restart(tmp_path, job):
+    server = EmbeddedNats(store_dir=tmp_path / "js").start()
+    try:
+        producer = await bus.connect(server.url, "producer")
+        await bus.ensure_job(producer.jetstream(), job)
+        event = DrainEvent(job=job, machine="m3", deadline_s=60)
+        await bus.publish_durable(
+            producer.jetstream(), JobSubjects(job).event("drain"), event, msg_id=event.event_id
+        )
+        await producer.close()
+
+        server.stop(kill=True)  # a crash, not a clean shutdown
+        server = EmbeddedNats(store_dir=tmp_path / "js", port=server.port).start()
+
+        consumer = await bus.connect(server.url, "consumer")
+        data = await _read_all(
+            consumer.jetstream(), JobSubjects(job).stream("EVENTS"), JobSubjects(job).events
+        )
+        await consumer.close()
+        assert [decode_event(d) for d in data] == [event]
+    finally:
+        server.cleanup()
+
+
+async def test_request_retries_with_same_id_and_runs_once(nc, job):
+    calls: list[str] = []
+    release = asyncio.Event()
+    seen: list[str] = []
+
+    async def handler(command: Command) -> dict:
+        calls.append(command.command_id)
+        await release.wait()
+        return {"echo": command.args["x"]}
+
+    async def spy(msg):
+        seen.append(json.loads(msg.data)["command_id"])
+        if len(seen) >= 2:
+            release.set()  # the first attempt timed out and was retried
+
+    server = bus.CommandServer(nc, job, "m0", handler)
+    await server.start()
+    spy_sub = await nc.subscribe(JobSubjects(job).command("m0"), cb=spy)
+    client = await bus.connect(nc.connected_url.geturl(), "requester")
+    try:
+        command = Command(job=job, machine="m0", op="status", args={"x": 7})
+        reply = await bus.request(client, command, timeout=0.3, retries=5)
+    finally:
+        await spy_sub.unsubscribe()
+        await server.stop()
+        await client.close()
+    assert reply.ok and reply.result == {"echo": 7}
+    assert calls == [command.command_id]
+    assert len(seen) >= 2 and set(seen) == {command.command_id}
+
+
+async def test_request_without_responder_fails_after_retries(nc, job):
+    command = Command(job=job, machine="nobody", op="status")
+    with pytest.raises(bus.CommandFailed, match="no reply after 2 attempts"):
+        await bus.request(nc, command, timeout=0.2, retries=2)
+
+
+async def test_handler_error_is_a_failed_reply(nc, job):
+    async def handler(command: Command) -> dict:
+        raise RuntimeError("joiner not warm")
+
+    server = bus.CommandServer(nc, job, "m1", handler)
+    await server.start()
+    try:
+        reply = await bus.request(nc, Command(job=job, machine="m1", op="prepare"))
+    finally:
+        await server.stop()
+    assert not reply.ok and "joiner not warm" in reply.error
+
+
+async def test_malformed_command_is_answered_and_dead_lettered(nc, job):
+    js = nc.jetstream()
+    await bus.ensure_job(js, job)
+
+    async def handler(command: Command) -> dict:
+        raise AssertionError("must not run")
+
+    server = bus.CommandServer(nc, job, "m2", handler)
+    await server.start()
+    try:
+        msg = await nc.request(JobSubjects(job).command("m2"), b'{"op": "commit"', timeout=2)
+    finally:
+        await server.stop()
+    assert b"malformed JSON" in msg.data
+    letters = await _read_all(
+        js, JobSubjects(job).stream("DEADLETTER"), JobSubjects(job).deadletter
+    )
+    letter = decode(DeadLetter, letters[0])
+    assert letter.payload == '{"op": "commit"' and "malformed JSON" in letter.reason

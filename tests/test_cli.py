@@ -1,0 +1,122 @@
+"""The `trainmover` CLI as a user runs it: real processes, real bus, error paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import register_job
+
+
+def run_cli(*args: str, url: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "trainmover.cli", "--log-format", "json"]
+    if url:
+        cmd += ["--nats-url", url]
+    return subprocess.run(
+        cmd + list(args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, text: str) -> None:
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert errors and text in errors[-1], proc.stderr
+
+
+def test_version():
+    proc = run_cli("version")
+    assert proc.returncode == 0 and proc.stdout.startswith("trainmover ")
+
+
+def test_bad_url_is_one_line():
+    assert_one_line_error(
+        run_cli("status", "job1", url="nats://127.0.0.1:1"),
+        1,
+        "cannot reach NATS at nats://127.0.0.1:1",
+    )
+
+
+def test_missing_url_is_one_line():
+    assert_one_line_error(run_cli("drain", "job1", "m0"), 1, "no NATS URL")
+
+
+def test_invalid_names_are_rejected_before_connecting():
+    assert_one_line_error(
+        run_cli("drain", "job1", "m0.*", url="nats://127.0.0.1:1"), 2, "invalid machine name"
+    )
+
+
+def test_unknown_service():
+    proc = run_cli("service", "scheduler")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+@pytest.mark.parametrize("deadline", ["-3", "soon"])
+def test_invalid_deadline(nats_url, deadline):
+    proc = run_cli("drain", "job1", "m0", "--deadline", deadline, url=nats_url)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+async def test_unknown_job_and_machine(nc, job, nats_url):
+    assert_one_line_error(run_cli("status", job, url=nats_url), 1, f"unknown job '{job}'")
+    await register_job(nc, job)
+    assert_one_line_error(run_cli("drain", job, "m7", url=nats_url), 1, "unknown machine 'm7'")
+
+
+async def test_drain_status_and_watch(nc, job, nats_url):
+    await register_job(nc, job)
+    drained = run_cli("drain", job, "m2", "--reason", "bios", "--deadline", "60", url=nats_url)
+    assert drained.returncode == 0, drained.stderr
+    event_id = drained.stdout.strip()
+    watched = run_cli("watch", job, "--from-start", "--json", "--count", "1", url=nats_url)
+    assert watched.returncode == 0, watched.stderr
+    event = json.loads(watched.stdout)
+    assert event["event_id"] == event_id and event["kind"] == "drain"
+    assert event["deadline_s"] == 60
+    status = run_cli("status", job, url=nats_url)
+    assert status.returncode == 0 and "TP2 x PP2 x DP2" in status.stdout
+    assert "s0" in status.stdout and "standby" in status.stdout
+    as_json = json.loads(run_cli("status", job, "--json", url=nats_url).stdout)
+    assert sorted(as_json["machines"]) == ["m0", "m1", "m2", "m3", "s0"]
+
+
+def test_up_starts_the_bus_and_stops_on_ctrl_c(tmp_path):
+    import signal
+
+    from trainmover.natsserver import port_open
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainmover.cli",
+            "--log-format",
+            "json",
+            "up",
+            "--store-dir",
+            str(tmp_path / "js"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        line = proc.stdout.readline()  # blocks until the stack is up
+        assert line.startswith("export TRAINMOVER_NATS_URL=nats://127.0.0.1:")
+        port = int(line.strip().rsplit(":", 1)[1])
+        assert port_open("127.0.0.1", port)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert not port_open("127.0.0.1", port)
+        assert (tmp_path / "js").exists()  # a given state directory is kept
+    finally:
+        proc.kill()
