@@ -87,12 +87,18 @@ async def _status(args: argparse.Namespace) -> int:
         f"job {state.job}  layout TP{lay.tp} x PP{lay.pp} x DP{lay.dp}  "
         f"({lay.ranks_per_machine} ranks/machine)  revision {state.revision}"
     )
-    print(f"{'machine':<16}{'status':<13}{'roles (rank:dp/pp/tp)':<34}warm role types")
+    print(f"{'machine':<16}{'status':<13}{'role (dp, pp)':<16}warm role types")
     for name, m in sorted(state.machines.items()):
-        roles = " ".join(f"{r.rank}:{r.dp}/{r.pp}/{r.tp}" for r in m.roles) or "-"
-        print(f"{name:<16}{m.status:<13}{roles:<34}{','.join(m.warm_role_types) or '-'}")
-    for event_id, plan_id in state.in_flight.items():
-        print(f"in flight: event {event_id} plan {plan_id}")
+        role = f"dp{m.cell.dp} pp{m.cell.pp}" if m.cell else "-"
+        print(f"{name:<16}{m.status:<13}{role:<16}{','.join(m.warm_role_types) or '-'}")
+    for plan in state.in_flight.values():
+        moves = ", ".join(f"{mv.leaver} -> {mv.joiner}" for mv in plan.moves)
+        print(
+            f"in flight: {plan.migration} {moves}  plan {plan.plan_id[:8]} "
+            f"event {plan.event_id[:8]}  delta {len(plan.groups)} groups"
+        )
+    for queued in state.queued:
+        print(f"queued: {queued.machine} (event {queued.event_id[:8]}): no standby free yet")
     return 0
 
 

@@ -180,8 +180,8 @@ class TrainMoverClient:
     ) -> MigrationProgress:
         """Waits for the migration caused by `event_id` to end; returns its last progress.
 
-        The returned state is one of TERMINAL_STATES (done, aborted, failed, fallback,
-        rejected); raises MigrationTimeout when none comes within `timeout` seconds.
+        The returned state is one of TERMINAL_STATES (done, aborted, failed, rejected);
+        raises MigrationTimeout when none comes within `timeout` seconds.
         """
 
         async def terminal() -> MigrationProgress:

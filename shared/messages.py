@@ -15,6 +15,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
+from trainmover.runtime.layout import Layout, MachineRole
+from trainmover.runtime.plan import Plan as SwitchPlan
+
 SCHEMA_VERSION = 1
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -53,34 +56,6 @@ class Message(BaseModel):
 
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()
-
-
-# --- parallel layout -----------------------------------------------------------------
-
-
-class Role(Message):
-    """A worker's coordinates in the parallel layout; a joiner takes them over unchanged."""
-
-    rank: int = Field(ge=0)
-    dp: int = Field(ge=0)
-    pp: int = Field(ge=0)
-    tp: int = Field(ge=0)
-
-
-class Layout(Message):
-    """The job's parallel layout: TP inside a machine, PP across machines, DP across replicas."""
-
-    tp: int = Field(ge=1)
-    pp: int = Field(ge=1)
-    dp: int = Field(ge=1)
-    ranks_per_machine: int = Field(ge=1)
-
-
-class GroupRef(Message):
-    """One communication group at one generation (rebuilding bumps the generation)."""
-
-    name: str = Field(min_length=1, max_length=128)
-    generation: int = Field(ge=0)
 
 
 # --- interruption events (health-monitor / client -> planner) ------------------------
@@ -156,7 +131,7 @@ EVENT_KINDS = ("drain", "failure", "straggler", "rebalance")
 # --- signals (sidecars / workers -> health-monitor) ------------------------------------
 
 WorkerState = Literal["starting", "warming", "running", "standby", "exited"]
-MachineStatus = Literal["active", "standby", "leaving", "failed", "maintenance"]
+HeartbeatStatus = Literal["active", "standby", "leaving", "maintenance"]
 
 
 class WorkerStatus(Message):
@@ -174,7 +149,7 @@ class Heartbeat(Message):
     job: Name
     machine: Name
     seq: int = Field(ge=0)
-    status: MachineStatus
+    status: HeartbeatStatus
     workers: list[WorkerStatus] = Field(default_factory=list, max_length=1024)
     warm_role_types: list[str] = Field(default_factory=list, max_length=16)
     ts: float = Field(default_factory=now)
@@ -208,25 +183,20 @@ class CollectiveErrorReport(Message):
 PlanKind = Literal["planned", "unplanned", "checkpoint_restart"]
 
 
-class Move(Message):
-    """One leaver handing its roles to one joiner; state comes from `state_source`."""
+class Plan(SwitchPlan, Message):
+    """The planner's answer to an event: who moves where, the delta, where state comes from.
 
-    leaver: Name
-    joiner: Name
-    roles: list[Role] = Field(max_length=1024)
-    state_source: Name
-
-
-class Plan(Message):
-    """The planner's answer to an event: who moves where, the delta, when to switch."""
+    The switch itself (moves, the delta's new-generation groups with their members, the
+    transfer pairs) is the runtime's `SwitchPlan`, so what a worker executes is exactly
+    what the planner published. `state_sources` maps each leaver to the machine its
+    joiner gets state from: the leaver itself (planned) or a data-parallel replica
+    (unplanned); empty for a checkpoint restart.
+    """
 
     kind: Literal["plan"] = "plan"
-    plan_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
-    job: Name
     event_id: str = Field(min_length=1, max_length=128)
     migration: PlanKind
-    moves: list[Move] = Field(max_length=1024)
-    delta: list[GroupRef] = Field(max_length=65536)
+    state_sources: dict[str, str] = Field(default_factory=dict)
     switch_step: int | None = Field(default=None, ge=0)
     deadline_ts: float | None = None
     ts: float = Field(default_factory=now)
@@ -281,7 +251,9 @@ MigrationState = Literal[
     "fallback",
     "rejected",
 ]
-TERMINAL_STATES = frozenset({"done", "aborted", "failed", "fallback", "rejected"})
+# "fallback" is not terminal: it announces that the migration goes the checkpoint-restart
+# way; "done" (or "failed") still ends it.
+TERMINAL_STATES = frozenset({"done", "aborted", "failed", "rejected"})
 
 
 class MigrationProgress(Message):
@@ -314,11 +286,31 @@ class DeadLetter(Message):
 
 # --- cluster state (planner-owned, in the job's key-value bucket) ---------------------
 
+MachineStatus = Literal["active", "standby", "joining", "leaving", "failed", "maintenance"]
+
 
 class MachineState(Message):
+    """A machine as the planner sees it; `cell` is the (dp, pp) role it serves if active."""
+
     status: MachineStatus
-    roles: list[Role] = Field(default_factory=list)
+    cell: MachineRole | None = None
     warm_role_types: list[str] = Field(default_factory=list)
+
+
+class QueuedEvent(Message):
+    """An event waiting for a free standby (a drain, or a failure with none free)."""
+
+    event_id: str
+    machine: Name
+    raw: str
+
+
+class OutboxEntry(Message):
+    """A decided publish not yet acked by the bus; `msg_id` makes republishing harmless."""
+
+    subject: str
+    msg_id: str
+    payload: str
 
 
 class ClusterState(Message):
@@ -328,10 +320,16 @@ class ClusterState(Message):
     job: Name
     layout: Layout
     machines: dict[str, MachineState]
-    in_flight: dict[str, str] = Field(
-        default_factory=dict, description="event_id -> plan_id of unfinished migrations"
+    in_flight: dict[str, Plan] = Field(
+        default_factory=dict, description="plan_id -> plan being executed"
+    )
+    queued: list[QueuedEvent] = Field(default_factory=list)
+    handled: dict[str, str] = Field(
+        default_factory=dict, description="recent event_id -> outcome or plan_id"
     )
     generations: dict[str, int] = Field(default_factory=dict)
+    cooldown_until: dict[str, float] = Field(default_factory=dict)
+    outbox: list[OutboxEntry] = Field(default_factory=list)
     revision: int = 0
 
 

@@ -9,8 +9,9 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from trainmover import bus
-from trainmover.messages import ClusterState, Layout, MachineState, Role, new_id
+from trainmover.messages import ClusterState, MachineState, new_id
 from trainmover.natsserver import EmbeddedNats
+from trainmover.runtime.layout import Layout
 from trainmover.subjects import STATE_KEY
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -40,13 +41,12 @@ async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
 
 
 def sample_state(job: str, machines: int = 4, standbys: int = 1) -> ClusterState:
-    """A TP2 x PP2 x DP2 job on `machines` machines of 2 ranks, plus standbys."""
-    layout = Layout(tp=2, pp=2, dp=2, ranks_per_machine=2)
-    state: dict[str, MachineState] = {}
-    for m in range(machines):
-        dp, pp = divmod(m, 2)
-        roles = [Role(rank=m * 2 + t, dp=dp, pp=pp, tp=t) for t in range(2)]
-        state[f"m{m}"] = MachineState(status="active", roles=roles)
+    """A TP2 x PP2 x DP2 job on `machines` machines of 2 ranks, plus warm standbys."""
+    layout = Layout(tp=2, pp=2, dp=2)
+    state = {
+        f"m{i}": MachineState(status="active", cell=cell)
+        for i, cell in enumerate(layout.cells()[:machines])
+    }
     for s in range(standbys):
         state[f"s{s}"] = MachineState(status="standby", warm_role_types=["first", "last"])
     return ClusterState(job=job, layout=layout, machines=state)

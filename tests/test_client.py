@@ -21,7 +21,6 @@ from trainmover.client import (
 from trainmover.messages import (
     DrainEvent,
     FailureEvent,
-    MachineState,
     MigrationProgress,
 )
 from trainmover.subjects import JobSubjects
@@ -98,7 +97,7 @@ async def test_unknown_job_and_machine_are_clear_errors(tm, nc, job):
 async def test_drain_of_machine_already_leaving_is_refused(tm, nc, job):
     state = sample_state(job)
     machines = dict(state.machines)
-    machines["m0"] = MachineState(status="leaving", roles=machines["m0"].roles)
+    machines["m0"] = machines["m0"].model_copy(update={"status": "leaving"})
     await register_job(nc, job, state.model_copy(update={"machines": machines}))
     with pytest.raises(MachineLeaving, match="already leaving"):
         await tm.drain(job, "m0")

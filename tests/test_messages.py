@@ -12,14 +12,11 @@ from trainmover.messages import (
     CommandReply,
     DrainEvent,
     FailureEvent,
-    GroupRef,
     Heartbeat,
     MessageError,
     MigrationProgress,
-    Move,
     Plan,
     RebalanceEvent,
-    Role,
     StepStats,
     StragglerEvent,
     StragglerEvidence,
@@ -27,7 +24,11 @@ from trainmover.messages import (
     decode,
     decode_event,
 )
+from trainmover.runtime.layout import Layout
+from trainmover.runtime.plan import compute_delta
 from trainmover.subjects import InvalidName, JobSubjects
+
+LAYOUT = Layout(tp=2, pp=2, dp=2)
 
 EXAMPLES = [
     DrainEvent(job="j1", machine="m0", reason="driver update", deadline_s=600),
@@ -47,16 +48,20 @@ EXAMPLES = [
     ),
     StepStats(job="j1", machine="m0", step=7, compute_s=0.05),
     Plan(
-        job="j1",
+        **dict(
+            compute_delta(
+                job="j1",
+                plan_id="p1",
+                layout=LAYOUT,
+                assignment=dict(zip(["m0", "m1", "m2", "m3"], LAYOUT.cells(), strict=True)),
+                generations=dict.fromkeys(LAYOUT.all_groups(), 0),
+                moves={"m0": "s0"},
+            )
+        ),
         event_id="e1",
         migration="planned",
         switch_step=12,
-        moves=[
-            Move(
-                leaver="m0", joiner="s0", state_source="m0", roles=[Role(rank=0, dp=0, pp=0, tp=0)]
-            )
-        ],
-        delta=[GroupRef(name="pp.dp0.0-1", generation=1)],
+        state_sources={"m0": "m0"},
     ),
     Command(job="j1", machine="s0", op="prepare", plan_id="p1", args={"step": 3}),
     CommandReply(command_id="c1", ok=True, result={"ready": True}),

@@ -1,0 +1,532 @@
+"""The planner's decisions, as pure functions of (cluster state, input) -> new state + outputs.
+
+No bus, no clock of its own, no I/O: the service feeds events, progress and heartbeats in
+and publishes what comes out, so every rule here is unit-tested without processes.
+
+Rules (../shared/DESIGN.md):
+- drain: planned migration to a free standby warm for the leaver's role type; queued
+  when none is free (and planned as soon as one is).
+- failure: unplanned migration with state from a data-parallel replica; with no replica
+  (DP=1) or no free standby, a checkpoint restart, and the outcome says which.
+- straggler: planned migration if a standby is free and the machine is out of its
+  cool-down; otherwise ignored (it is only slow).
+- rebalance: planned migration of the named machine (or the slowest known one).
+- an event for a machine already leaving, a duplicate event, an unknown machine: rejected
+  with a reason, nothing changes. A failure of a leaver mid-migration replaces its plan
+  with an unplanned one; a failure of a standby removes it from the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainmover.messages import (
+    ClusterState,
+    DrainEvent,
+    FailureEvent,
+    Heartbeat,
+    MachineState,
+    MigrationProgress,
+    Plan,
+    PlanKind,
+    QueuedEvent,
+    RebalanceEvent,
+    StragglerEvent,
+    decode_event,
+    new_id,
+)
+from trainmover.runtime.layout import Layout, MachineRole
+from trainmover.runtime.plan import compute_delta
+
+Event = DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent
+
+HANDLED_MEMORY = 4096
+"""How many handled event ids the state remembers, for duplicate detection."""
+
+
+def role_type(layout: Layout, cell: MachineRole) -> str:
+    """The warm-up class of a machine role: its pipeline stage's position."""
+    if layout.pp == 1:
+        return "only"
+    if cell.pp == 0:
+        return "first"
+    return "last" if cell.pp == layout.pp - 1 else "middle"
+
+
+def role_types(layout: Layout) -> list[str]:
+    """Every distinct role type of the layout (what a standby warms up for)."""
+    return sorted({role_type(layout, c) for c in layout.cells()})
+
+
+@dataclass
+class Outcome:
+    """What one input changed: the new state, plans to publish, progress to report."""
+
+    state: ClusterState
+    plans: list[Plan] = field(default_factory=list)
+    progress: list[MigrationProgress] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    """Plan ids superseded (a leaver died mid-migration): the executor aborts them."""
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.plans or self.progress or self.cancelled)
+
+
+class Planner:
+    """Decision rules over one job's ClusterState. Each call returns a new state."""
+
+    def __init__(self, straggler_cooldown_s: float = 300.0) -> None:
+        self.straggler_cooldown_s = straggler_cooldown_s
+
+    # --- events ----------------------------------------------------------------------
+
+    def on_event(self, state: ClusterState, event: Event, now: float) -> Outcome:
+        if event.event_id in state.handled:
+            return Outcome(state)  # a redelivery or a retried publish: already decided
+        state = _remember(state, event.event_id, "seen")
+        if event.machine is None:
+            # The service names the slowest machine before deciding; without step
+            # statistics there is nothing to choose from.
+            return self._reject(state, event, "no machine named and no step statistics yet")
+        current = state.machines.get(event.machine)
+        if current is None:
+            return self._reject(state, event, f"unknown machine {event.machine!r}")
+        if isinstance(event, FailureEvent):
+            return self._on_failure(state, event, current, now)
+        if current.status == "standby":
+            if isinstance(event, DrainEvent):
+                return self._retire_standby(state, event, "maintenance")
+            return self._reject(state, event, f"{event.machine} is a standby: nothing to move")
+        if current.status != "active":
+            return self._reject(state, event, f"{event.machine} is already {current.status}")
+        if isinstance(event, StragglerEvent):
+            until = state.cooldown_until.get(event.machine, 0.0)
+            if now < until:
+                return self._reject(
+                    state, event, f"{event.machine} moved recently (cool-down until {until:.0f})"
+                )
+        return self._plan_planned(state, event, now)
+
+    def _plan_planned(self, state: ClusterState, event: Event, now: float) -> Outcome:
+        assert event.machine is not None
+        leaver = event.machine
+        joiner = self._free_standby(state, leaver)
+        if joiner is None:
+            if isinstance(event, DrainEvent):
+                queued = QueuedEvent(
+                    event_id=event.event_id, machine=leaver, raw=event.model_dump_json()
+                )
+                state = state.model_copy(update={"queued": [*state.queued, queued]})
+                return Outcome(
+                    state,
+                    progress=[
+                        _progress(
+                            state,
+                            event.event_id,
+                            "queued",
+                            "no warm standby free: the drain waits for one",
+                            leaver,
+                        )
+                    ],
+                )
+            return self._reject(state, event, "no warm standby free")
+        deadline = None
+        if isinstance(event, DrainEvent) and event.deadline_s is not None:
+            deadline = event.ts + event.deadline_s
+        return self._make_plan(
+            state, event.event_id, "planned", {leaver: joiner}, {leaver: leaver}, now, deadline
+        )
+
+    def _on_failure(
+        self, state: ClusterState, event: FailureEvent, current: MachineState, now: float
+    ) -> Outcome:
+        machine = event.machine
+        if current.status in ("failed", "maintenance"):
+            return self._reject(state, event, f"{machine} is already {current.status}")
+        if current.status in ("standby", "joining"):
+            outcome = self._retire_standby(state, event, "failed")
+            # A joiner that dies takes its plan down with it; re-plan the leaver.
+            plan = _plan_with_joiner(state, machine)
+            if plan is None:
+                return outcome
+            return self._replace_plan(outcome.state, plan, now, outcome)
+        superseded: Plan | None = None
+        if current.status == "leaving":
+            superseded = _plan_with_leaver(state, machine)
+            if superseded is None:
+                # Leaving with no plan: a failure already waiting for a standby.
+                return self._reject(state, event, f"{machine} is already failed and queued")
+            # The leaver died mid-migration: the planned path cannot finish (no leaver
+            # to send state). Cancel it and recover from a replica instead.
+            state = _drop_plan(state, superseded, restore_joiner=True)
+            state = _set_machine(state, machine, status="active")
+        outcome = self._plan_failure(state, event, now)
+        if superseded is not None:
+            outcome.cancelled.append(superseded.plan_id)
+            outcome.progress.insert(
+                0,
+                _progress(
+                    outcome.state,
+                    superseded.event_id,
+                    "aborted",
+                    "the leaver failed mid-migration: recovering from a replica instead",
+                    machine,
+                    superseded.moves[0].joiner,
+                    superseded.plan_id,
+                ),
+            )
+        return outcome
+
+    def _plan_failure(self, state: ClusterState, event: FailureEvent, now: float) -> Outcome:
+        leaver = event.machine
+        cell = state.machines[leaver].cell
+        assert cell is not None
+        replica = _replica(state, leaver)
+        joiner = self._free_standby(state, leaver)
+        if replica is None or joiner is None:
+            why = (
+                "no data-parallel replica of its roles (DP=1)"
+                if replica is None
+                else "no warm standby free"
+            )
+            return self._checkpoint_restart(state, event, leaver, joiner, why, now)
+        return self._make_plan(
+            state, event.event_id, "unplanned", {leaver: joiner}, {leaver: replica}, now, None
+        )
+
+    def _checkpoint_restart(
+        self,
+        state: ClusterState,
+        event: FailureEvent,
+        leaver: str,
+        joiner: str | None,
+        why: str,
+        now: float,
+    ) -> Outcome:
+        """The fallback: every rank reloads its last checkpoint; the joiner takes the role.
+
+        With no standby free, the failure waits in the queue for one (the job cannot run
+        without the role either way); the progress event says which path was taken.
+        """
+        detail = f"falling back to checkpoint restart: {why}"
+        if joiner is None:
+            queued = QueuedEvent(
+                event_id=event.event_id, machine=leaver, raw=event.model_dump_json()
+            )
+            state = state.model_copy(update={"queued": [*state.queued, queued]})
+            state = _set_machine(state, leaver, status="leaving")
+            return Outcome(
+                state,
+                progress=[
+                    _progress(
+                        state,
+                        event.event_id,
+                        "fallback",
+                        detail + "; waiting for a standby",
+                        leaver,
+                    )
+                ],
+            )
+        outcome = self._make_plan(
+            state, event.event_id, "checkpoint_restart", {leaver: joiner}, {}, now, None
+        )
+        fallback = _progress(
+            outcome.state,
+            event.event_id,
+            "fallback",
+            detail,
+            leaver,
+            joiner,
+            outcome.plans[0].plan_id,
+        )
+        outcome.progress.append(fallback)
+        return outcome
+
+    def _replace_plan(
+        self, state: ClusterState, plan: Plan, now: float, outcome: Outcome
+    ) -> Outcome:
+        """Re-plans `plan`'s event after its joiner was lost."""
+        state = _drop_plan(state, plan, restore_joiner=False)
+        leaver = plan.moves[0].leaver
+        state = _set_machine(state, leaver, status="active")
+        kind_event: Event
+        if plan.migration == "planned":
+            kind_event = DrainEvent(
+                event_id=plan.event_id,
+                job=state.job,
+                machine=leaver,
+                reason="re-plan: joiner failed",
+            )
+            replanned = self._plan_planned(state, kind_event, now)
+        else:
+            kind_event = FailureEvent(
+                event_id=plan.event_id,
+                job=state.job,
+                machine=leaver,
+                reason="re-plan: joiner failed",
+            )
+            replanned = self._plan_failure(state, kind_event, now)
+        replanned.cancelled.append(plan.plan_id)
+        replanned.progress = outcome.progress + replanned.progress
+        return replanned
+
+    def _retire_standby(self, state: ClusterState, event: Event, status: str) -> Outcome:
+        assert event.machine is not None
+        state = _set_machine(state, event.machine, status=status, cell=None, warm_role_types=[])
+        state = _remember(state, event.event_id, "done")
+        return Outcome(
+            state,
+            progress=[
+                _progress(
+                    state,
+                    event.event_id,
+                    "done",
+                    f"standby {event.machine} left the pool ({status})",
+                    event.machine,
+                )
+            ],
+        )
+
+    def _reject(self, state: ClusterState, event: Event, reason: str) -> Outcome:
+        state = _remember(state, event.event_id, "rejected")
+        return Outcome(
+            state, progress=[_progress(state, event.event_id, "rejected", reason, event.machine)]
+        )
+
+    # --- plans -----------------------------------------------------------------------
+
+    def _free_standby(self, state: ClusterState, leaver: str) -> str | None:
+        cell = state.machines[leaver].cell
+        assert cell is not None
+        wanted = role_type(state.layout, cell)
+        free = [
+            name
+            for name, m in sorted(state.machines.items())
+            if m.status == "standby" and wanted in m.warm_role_types
+        ]
+        return free[0] if free else None
+
+    def _make_plan(
+        self,
+        state: ClusterState,
+        event_id: str,
+        kind: PlanKind,
+        moves: dict[str, str],
+        sources: dict[str, str],
+        now: float,
+        deadline_ts: float | None,
+    ) -> Outcome:
+        plan_id = new_id()
+        assignment = {
+            n: m.cell
+            for n, m in state.machines.items()
+            if m.cell is not None and m.status in ("active", "leaving")
+        }
+        delta = compute_delta(
+            job=state.job,
+            plan_id=plan_id,
+            layout=state.layout,
+            assignment=assignment,
+            generations=_generations(state),
+            moves=moves,
+        )
+        plan = Plan(
+            plan_id=plan_id,
+            job=state.job,
+            event_id=event_id,
+            migration=kind,
+            moves=delta.moves,
+            groups=delta.groups,
+            transfers=delta.transfers,
+            state_sources=sources,
+            deadline_ts=deadline_ts,
+            ts=now,
+        )
+        for leaver, joiner in moves.items():
+            state = _set_machine(state, leaver, status="leaving")
+            state = _set_machine(state, joiner, status="joining")
+        state = state.model_copy(update={"in_flight": {**state.in_flight, plan_id: plan}})
+        state = _remember(state, event_id, plan_id)
+        leaver, joiner = next(iter(moves.items()))
+        return Outcome(
+            state,
+            plans=[plan],
+            progress=[
+                _progress(
+                    state,
+                    event_id,
+                    "planned",
+                    f"{kind}: {leaver} -> {joiner}",
+                    leaver,
+                    joiner,
+                    plan_id,
+                )
+            ],
+        )
+
+    # --- progress from the executor -----------------------------------------------------
+
+    def on_progress(self, state: ClusterState, progress: MigrationProgress, now: float) -> Outcome:
+        """Applies the end of a migration to the state; non-terminal progress is ignored."""
+        plan = state.in_flight.get(progress.plan_id or "")
+        if plan is None or progress.state not in ("done", "failed", "aborted"):
+            return Outcome(state)
+        if progress.state == "done":
+            state = _drop_plan(state, plan, restore_joiner=False)
+            generations = dict(state.generations)
+            for spec in plan.groups:
+                generations[spec.name] = spec.generation
+            state = state.model_copy(update={"generations": generations})
+            for move in plan.moves:
+                leaver = state.machines[move.leaver]
+                after = "failed" if plan.migration != "planned" else "maintenance"
+                state = _set_machine(
+                    state, move.joiner, status="active", cell=move.cell, warm_role_types=[]
+                )
+                if leaver.status == "leaving":
+                    state = _set_machine(
+                        state, move.leaver, status=after, cell=None, warm_role_types=[]
+                    )
+                state = state.model_copy(
+                    update={
+                        "cooldown_until": {
+                            **state.cooldown_until,
+                            move.joiner: now + self.straggler_cooldown_s,
+                        }
+                    }
+                )
+            return Outcome(state)
+        # Failed or aborted: the executor rolled phase 1 back; the leaver keeps its role
+        # (planned) and the joiner goes back to the pool.
+        state = _drop_plan(state, plan, restore_joiner=True)
+        for move in plan.moves:
+            if state.machines[move.leaver].status == "leaving":
+                state = _set_machine(state, move.leaver, status="active")
+        return Outcome(state)
+
+    # --- standby pool ------------------------------------------------------------------
+
+    def on_heartbeat(self, state: ClusterState, beat: Heartbeat, now: float) -> Outcome:
+        """Admits a warm, healthy machine to the standby pool; then serves queued drains."""
+        current = state.machines.get(beat.machine)
+        healthy = all(w.state != "exited" for w in beat.workers)
+        wanted = set(role_types(state.layout))
+        warm = [t for t in beat.warm_role_types if t in wanted]
+        admissible = (
+            beat.status == "standby"
+            and healthy
+            and warm
+            and (current is None or current.status in ("maintenance", "failed"))
+        )
+        if not admissible and not (
+            current is not None
+            and current.status == "standby"
+            and sorted(warm) != current.warm_role_types
+        ):
+            return Outcome(state)
+        state = _set_machine(
+            state, beat.machine, status="standby", cell=None, warm_role_types=sorted(warm)
+        )
+        outcome = Outcome(state, progress=[])
+        return self._serve_queue(outcome, now)
+
+    def _serve_queue(self, outcome: Outcome, now: float) -> Outcome:
+        state = outcome.state
+        while state.queued:
+            head, rest = state.queued[0], state.queued[1:]
+            leaver_state = state.machines.get(head.machine)
+            if leaver_state is None or leaver_state.status not in ("active", "leaving"):
+                state = state.model_copy(update={"queued": rest})
+                continue
+            if self._free_standby(state, head.machine) is None:
+                break
+            state = state.model_copy(update={"queued": rest})
+            event = decode_event(head.raw)
+            if isinstance(event, FailureEvent):
+                planned = self._plan_failure(state, event, now)
+            else:
+                planned = self._plan_planned(state, event, now)
+            state = planned.state
+            outcome.plans += planned.plans
+            outcome.progress += planned.progress
+        outcome.state = state
+        return outcome
+
+
+# --- helpers over ClusterState ------------------------------------------------------------
+
+
+def _set_machine(state: ClusterState, name: str, **changes: object) -> ClusterState:
+    current = state.machines.get(name) or MachineState(status="standby")
+    machines = {**state.machines, name: current.model_copy(update=changes)}
+    return state.model_copy(update={"machines": machines})
+
+
+def _remember(state: ClusterState, event_id: str, outcome: str) -> ClusterState:
+    handled = {**state.handled, event_id: outcome}
+    while len(handled) > HANDLED_MEMORY:
+        handled.pop(next(iter(handled)))
+    return state.model_copy(update={"handled": handled})
+
+
+def _drop_plan(state: ClusterState, plan: Plan, restore_joiner: bool) -> ClusterState:
+    in_flight = {k: v for k, v in state.in_flight.items() if k != plan.plan_id}
+    state = state.model_copy(update={"in_flight": in_flight})
+    if restore_joiner:
+        for move in plan.moves:
+            if state.machines[move.joiner].status == "joining":
+                state = _set_machine(state, move.joiner, status="standby")
+    return state
+
+
+def _plan_with_leaver(state: ClusterState, machine: str) -> Plan | None:
+    return next(
+        (p for p in state.in_flight.values() if any(m.leaver == machine for m in p.moves)), None
+    )
+
+
+def _plan_with_joiner(state: ClusterState, machine: str) -> Plan | None:
+    return next(
+        (p for p in state.in_flight.values() if any(m.joiner == machine for m in p.moves)), None
+    )
+
+
+def _replica(state: ClusterState, leaver: str) -> str | None:
+    """An active machine holding the same pipeline stage in another DP replica."""
+    cell = state.machines[leaver].cell
+    assert cell is not None
+    for name, m in sorted(state.machines.items()):
+        if (
+            name != leaver
+            and m.status == "active"
+            and m.cell is not None
+            and m.cell.pp == cell.pp
+            and m.cell.dp != cell.dp
+        ):
+            return name
+    return None
+
+
+def _generations(state: ClusterState) -> dict[str, int]:
+    return {name: state.generations.get(name, 0) for name in state.layout.all_groups()}
+
+
+def _progress(
+    state: ClusterState,
+    event_id: str,
+    status: str,
+    detail: str,
+    leaver: str | None,
+    joiner: str | None = None,
+    plan_id: str | None = None,
+) -> MigrationProgress:
+    return MigrationProgress(
+        job=state.job,
+        event_id=event_id,
+        plan_id=plan_id,
+        state=status,  # type: ignore[arg-type]
+        detail=detail,
+        leaver=leaver,
+        joiner=joiner,
+    )

@@ -1,0 +1,268 @@
+"""The planner's rules, as pure functions of state and input (no bus, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import sample_state
+from trainmover.messages import (
+    ClusterState,
+    DrainEvent,
+    FailureEvent,
+    Heartbeat,
+    MachineState,
+    MigrationProgress,
+    RebalanceEvent,
+    StragglerEvent,
+    StragglerEvidence,
+    WorkerStatus,
+)
+from trainmover.runtime.layout import Layout
+from trainmover.services.planner.decisions import Planner, role_type, role_types
+
+JOB = "j"
+NOW = 1000.0
+
+
+@pytest.fixture
+def planner() -> Planner:
+    return Planner(straggler_cooldown_s=60)
+
+
+def drain(machine: str, **kw) -> DrainEvent:
+    return DrainEvent(job=JOB, machine=machine, **kw)
+
+
+def failure(machine: str) -> FailureEvent:
+    return FailureEvent(job=JOB, machine=machine, source="heartbeat")
+
+
+def straggler(machine: str) -> StragglerEvent:
+    evidence = StragglerEvidence(machine_median_s=0.3, job_median_s=0.1, factor=1.5, window=8)
+    return StragglerEvent(job=JOB, machine=machine, evidence=evidence)
+
+
+def warm_beat(machine: str, types=("first", "last"), exited: bool = False) -> Heartbeat:
+    workers = [
+        WorkerStatus(
+            local_rank=0, state="exited" if exited else "standby", exit_code=1 if exited else None
+        )
+    ]
+    return Heartbeat(
+        job=JOB,
+        machine=machine,
+        seq=1,
+        status="standby",
+        workers=workers,
+        warm_role_types=list(types),
+    )
+
+
+def statuses(state: ClusterState) -> dict[str, str]:
+    return {n: m.status for n, m in state.machines.items()}
+
+
+def test_role_types_by_pipeline_position():
+    lay = Layout(tp=1, pp=4, dp=1)
+    assert [role_type(lay, c) for c in lay.cells()] == ["first", "middle", "middle", "last"]
+    assert role_types(Layout(tp=2, pp=1, dp=2)) == ["only"]
+
+
+def test_drain_plans_a_planned_migration_with_the_delta(planner):
+    out = planner.on_event(sample_state(JOB), drain("m0", deadline_s=30, ts=NOW), NOW)
+    (plan,) = out.plans
+    assert plan.migration == "planned" and plan.state_sources == {"m0": "m0"}
+    assert [(m.leaver, m.joiner) for m in plan.moves] == [("m0", "s0")]
+    assert plan.deadline_ts == NOW + 30
+    # m0 is (dp0, pp0): its TP group, its two PP groups and its two DP groups.
+    assert sorted(g.name for g in plan.groups) == [
+        "dp.p0.t0",
+        "dp.p0.t1",
+        "pp.d0.t0",
+        "pp.d0.t1",
+        "tp.d0.p0",
+    ]
+    assert all(g.generation == 1 for g in plan.groups)
+    assert statuses(out.state)["m0"] == "leaving" and statuses(out.state)["s0"] == "joining"
+    assert out.state.in_flight == {plan.plan_id: plan}
+    assert [p.state for p in out.progress] == ["planned"]
+
+
+def test_duplicate_event_changes_nothing(planner):
+    event = drain("m1")
+    first = planner.on_event(sample_state(JOB), event, NOW)
+    again = planner.on_event(first.state, event, NOW)
+    assert again.state == first.state and not again.changed
+
+
+@pytest.mark.parametrize(
+    ("machine", "status", "reason"),
+    [
+        ("m9", None, "unknown machine 'm9'"),
+        ("m1", "leaving", "already leaving"),
+        ("m1", "failed", "already failed"),
+    ],
+)
+def test_bad_drains_are_rejected_with_a_reason(planner, machine, status, reason):
+    state = sample_state(JOB)
+    if status:
+        machines = dict(state.machines)
+        machines[machine] = machines[machine].model_copy(update={"status": status})
+        state = state.model_copy(update={"machines": machines})
+    out = planner.on_event(state, drain(machine), NOW)
+    assert not out.plans
+    (progress,) = out.progress
+    assert progress.state == "rejected" and reason in progress.detail
+    assert out.state.machines == state.machines and not out.state.in_flight
+
+
+def test_drain_waits_for_a_standby_then_runs(planner):
+    state = sample_state(JOB, standbys=0)
+    out = planner.on_event(state, drain("m3"), NOW)
+    assert not out.plans and [p.state for p in out.progress] == ["queued"]
+    assert [q.machine for q in out.state.queued] == ["m3"]
+    admitted = planner.on_heartbeat(out.state, warm_beat("s7"), NOW)
+    (plan,) = admitted.plans
+    assert [(m.leaver, m.joiner) for m in plan.moves] == [("m3", "s7")]
+    assert not admitted.state.queued
+
+
+def test_failure_recovers_from_a_data_parallel_replica(planner):
+    out = planner.on_event(sample_state(JOB), failure("m1"), NOW)
+    (plan,) = out.plans
+    # m1 is (dp0, pp1); its replica is m3 (dp1, pp1).
+    assert plan.migration == "unplanned" and plan.state_sources == {"m1": "m3"}
+
+
+def test_failure_without_replica_falls_back_to_checkpoint(planner):
+    layout = Layout(tp=2, pp=2, dp=1)
+    machines = {
+        f"m{i}": MachineState(status="active", cell=c) for i, c in enumerate(layout.cells())
+    }
+    machines["s0"] = MachineState(status="standby", warm_role_types=["first", "last"])
+    state = ClusterState(job=JOB, layout=layout, machines=machines)
+    out = planner.on_event(state, failure("m0"), NOW)
+    (plan,) = out.plans
+    assert plan.migration == "checkpoint_restart" and plan.state_sources == {}
+    fallback = [p for p in out.progress if p.state == "fallback"]
+    assert fallback and "no data-parallel replica" in fallback[0].detail
+
+
+def test_failure_without_standby_says_fallback_and_waits(planner):
+    out = planner.on_event(sample_state(JOB, standbys=0), failure("m2"), NOW)
+    assert not out.plans
+    (progress,) = out.progress
+    assert progress.state == "fallback" and "no warm standby free" in progress.detail
+    assert statuses(out.state)["m2"] == "leaving"
+    later = planner.on_heartbeat(out.state, warm_beat("s5"), NOW)
+    (plan,) = later.plans
+    assert plan.migration == "unplanned" and plan.moves[0].joiner == "s5"
+
+
+def test_two_failures_get_two_standbys(planner):
+    state = sample_state(JOB, standbys=2)
+    first = planner.on_event(state, failure("m0"), NOW)
+    second = planner.on_event(first.state, failure("m3"), NOW)
+    joiners = {first.plans[0].moves[0].joiner, second.plans[0].moves[0].joiner}
+    assert joiners == {"s0", "s1"}
+    assert len(second.state.in_flight) == 2
+
+
+def test_leaver_dying_mid_drain_switches_to_the_failure_path(planner):
+    planned = planner.on_event(sample_state(JOB), drain("m0"), NOW)
+    old = planned.plans[0]
+    out = planner.on_event(planned.state, failure("m0"), NOW)
+    (plan,) = out.plans
+    assert out.cancelled == [old.plan_id]
+    assert plan.migration == "unplanned" and plan.state_sources == {"m0": "m2"}
+    assert plan.moves[0].joiner == "s0"  # the same standby, released and taken again
+    assert list(out.state.in_flight) == [plan.plan_id]
+    aborted = [p for p in out.progress if p.state == "aborted"]
+    assert aborted and aborted[0].event_id == old.event_id
+
+
+def test_dead_standby_leaves_the_pool(planner):
+    out = planner.on_event(sample_state(JOB), failure("s0"), NOW)
+    assert statuses(out.state)["s0"] == "failed" and not out.plans
+    after = planner.on_event(out.state, drain("m0"), NOW)
+    assert [p.state for p in after.progress] == ["queued"]
+
+
+def test_dead_joiner_is_replaced_by_another_standby(planner):
+    planned = planner.on_event(sample_state(JOB, standbys=2), drain("m1"), NOW)
+    out = planner.on_event(planned.state, failure("s0"), NOW)
+    (plan,) = out.plans
+    assert plan.moves[0].joiner == "s1" and plan.event_id == planned.plans[0].event_id
+    assert out.cancelled == [planned.plans[0].plan_id]
+    assert statuses(out.state)["s0"] == "failed"
+
+
+def test_done_makes_the_joiner_active_and_bumps_generations(planner):
+    planned = planner.on_event(sample_state(JOB), drain("m2"), NOW)
+    plan = planned.plans[0]
+    done = MigrationProgress(job=JOB, event_id=plan.event_id, plan_id=plan.plan_id, state="done")
+    out = planner.on_progress(planned.state, done, NOW)
+    assert statuses(out.state)["s0"] == "active" and statuses(out.state)["m2"] == "maintenance"
+    assert out.state.machines["s0"].cell == sample_state(JOB).machines["m2"].cell
+    assert {g.name: g.generation for g in plan.groups}.items() <= out.state.generations.items()
+    assert not out.state.in_flight
+    # The drained machine comes back warm from maintenance and is admitted.
+    back = planner.on_heartbeat(out.state, warm_beat("m2"), NOW)
+    assert statuses(back.state)["m2"] == "standby"
+    # m0 shares the DP groups of pp0 with m2's old role: they go to generation 2, the
+    # groups only m0 has to generation 1; members follow the new assignment.
+    again = planner.on_event(back.state, drain("m0"), NOW)
+    generations = {g.name: g.generation for g in again.plans[0].groups}
+    assert generations == {
+        "dp.p0.t0": 2,
+        "dp.p0.t1": 2,
+        "pp.d0.t0": 1,
+        "pp.d0.t1": 1,
+        "tp.d0.p0": 1,
+    }
+    dp_group = next(g for g in again.plans[0].groups if g.name == "dp.p0.t0")
+    assert [r.machine for r in dp_group.members] == ["m2", "s0"]
+
+
+def test_failed_migration_rolls_back(planner):
+    planned = planner.on_event(sample_state(JOB), drain("m2"), NOW)
+    plan = planned.plans[0]
+    failed = MigrationProgress(
+        job=JOB,
+        event_id=plan.event_id,
+        plan_id=plan.plan_id,
+        state="failed",
+        detail="phase 1 timed out",
+    )
+    out = planner.on_progress(planned.state, failed, NOW)
+    assert statuses(out.state)["m2"] == "active" and statuses(out.state)["s0"] == "standby"
+    assert not out.state.in_flight
+
+
+def test_straggler_cool_down_and_no_standby(planner):
+    planned = planner.on_event(sample_state(JOB, standbys=2), straggler("m1"), NOW)
+    plan = planned.plans[0]
+    done = MigrationProgress(job=JOB, event_id=plan.event_id, plan_id=plan.plan_id, state="done")
+    moved = planner.on_progress(planned.state, done, NOW)
+    joiner = plan.moves[0].joiner
+    again = planner.on_event(moved.state, straggler(joiner), NOW + 10)
+    assert again.progress[0].state == "rejected" and "cool-down" in again.progress[0].detail
+    no_pool = planner.on_event(sample_state(JOB, standbys=0), straggler("m1"), NOW)
+    assert no_pool.progress[0].state == "rejected" and not no_pool.state.queued
+
+
+def test_rebalance_without_a_machine_is_rejected(planner):
+    out = planner.on_event(sample_state(JOB), RebalanceEvent(job=JOB), NOW)
+    assert out.progress[0].state == "rejected"
+
+
+def test_admission_needs_warm_up_and_healthy_workers(planner):
+    state = sample_state(JOB, standbys=0)
+    cold = planner.on_heartbeat(state, warm_beat("n1", types=()), NOW)
+    sick = planner.on_heartbeat(state, warm_beat("n1", exited=True), NOW)
+    assert "n1" not in cold.state.machines and "n1" not in sick.state.machines
+    only_first = planner.on_heartbeat(state, warm_beat("n1", types=("first",)), NOW)
+    assert only_first.state.machines["n1"].warm_role_types == ["first"]
+    # A standby warm only for the first stage cannot take a last-stage role.
+    out = planner.on_event(only_first.state, drain("m1"), NOW)
+    assert [p.state for p in out.progress] == ["queued"]
