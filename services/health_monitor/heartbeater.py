@@ -15,7 +15,7 @@ import asyncio
 import os
 import sys
 
-from trainmover import bus
+from trainmover import bus, logs
 from trainmover.messages import Heartbeat, WorkerStatus
 from trainmover.subjects import JobSubjects
 
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.5)
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args(argv)
+    logs.configure(level="warning", stream=sys.stderr)  # stdout carries the result
     try:
         asyncio.run(run(args.nats_url, args.job, args.machine, args.interval, args.workers))
     except KeyboardInterrupt:
