@@ -78,8 +78,9 @@ class Settings:
         return self.check_interval or max(self.heartbeat_interval / 10, 0.005)
 
     def validate(self) -> Settings:
-        if not self.jobs:
-            raise ConfigError("no job to watch: pass --job NAME (repeatable) or --job-config FILE")
+        # No job is allowed (the service idles, serving /healthz and /metrics): `trainmover
+        # up` starts every service, with or without a job config, and restarts one that
+        # exits, so exiting here would only spin.
         try:
             for job in self.jobs:
                 check_name("job", job)

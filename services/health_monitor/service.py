@@ -134,6 +134,12 @@ class HealthMonitor:
         self.port = await self.http.start(s.http_host, s.http_port)
         if s.port_file:
             await asyncio.to_thread(_write_port_file, Path(s.port_file), self.port)
+        if not s.jobs:
+            log.warning(
+                "health_monitor_idle",
+                reason="no job to watch: pass --job NAME (repeatable) or --job-config FILE",
+            )
+            self._loaded.set()
         log.info(
             "health_monitor_started",
             jobs=s.jobs,
@@ -458,6 +464,10 @@ class HealthMonitor:
         key: str = "",
     ) -> None:
         """Logs a rejected input and dead-letters it, within the flood limits."""
+        if not self.roster.jobs:
+            self.metrics.dead_letters_suppressed.inc(category=category)
+            log.info("input_rejected", subject=subject, reason=reason, dead_letter="no job")
+            return
         target = job if job in self.roster.jobs else self.roster.jobs[0]
         ident = (target, category, key or reason)
         now = time.monotonic()

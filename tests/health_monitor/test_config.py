@@ -40,7 +40,7 @@ def test_job_config_as_trainmover_up_passes_it(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["--job", "bad name"], ["--job", "j", "--heartbeat-interval", "0"]],
+    [["--job", "bad name"], ["--job", "j", "--heartbeat-interval", "0"]],
 )
 def test_bad_settings(argv: list[str]) -> None:
     with pytest.raises(ConfigError):
@@ -51,3 +51,30 @@ def test_cli_entry_points(capsys: pytest.CaptureFixture[str]) -> None:
     assert service_main("health-monitor") is health_monitor.main
     assert health_monitor.main(["--job", "bad name"]) == 2
     assert "invalid job name" in capsys.readouterr().err
+
+
+async def test_without_a_job_the_service_idles(nats_url: str) -> None:
+    """`trainmover up` without a job config: serve health and metrics, watch nothing."""
+    from trainmover.services.health_monitor.service import HealthMonitor
+
+    from .conftest import http
+    from .payloads import RULES_FILE, alert, payload
+
+    settings = load(
+        [
+            "--nats-url",
+            nats_url,
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            "0",
+            "--rules",
+            str(RULES_FILE),
+        ],
+        env={},
+    )
+    async with HealthMonitor(settings) as hm:
+        await hm.wait_loaded(30)
+        assert (await http(hm.port, "/healthz")).status == 200
+        reply = await http(hm.port, "/webhook", payload([alert("GPUXidError", node="m1")]))
+        assert reply.status == 200 and reply.json()["outcomes"] == {"unknown_machine": 1}
