@@ -13,6 +13,7 @@ jobs and a producer in another language can find the layout in one place
     tm.<job>.collerr.<machine>     a stayer's collective error naming a peer (plain NATS)
     tm.<job>.cmd.<machine>         commands to a sidecar (request/reply)
     bucket TM_<job>                cluster state (JetStream key-value)
+    bucket TM_<job>_HEALTH         health-monitor's open incidents (JetStream key-value)
 """
 
 from __future__ import annotations
@@ -115,6 +116,11 @@ class JobSubjects:
     @property
     def bucket(self) -> str:
         return f"TM_{self.job}"
+
+    @property
+    def health_bucket(self) -> str:
+        """The health-monitor's private bucket: open incidents, kept across its restarts."""
+        return f"TM_{self.job}_HEALTH"
 
 
 # Keys of the cluster-state bucket.

@@ -1,1 +1,79 @@
-"""The health_monitor service."""
+"""The health-monitor service: turns heartbeats, worker exits, collective errors, step
+statistics and Alertmanager alerts into interruption events (failure, drain, straggler).
+
+    trainmover service health-monitor --job job1 --rules deploy/health-monitor-rules.yaml
+    python -m trainmover.services.health_monitor --job job1
+
+Modules, one job each:
+    config        settings from flags, environment and files
+    heartbeats    heartbeat deadlines and abnormal worker exits (pure)
+    stragglers    straggler detection with hysteresis (pure)
+    alertmanager  the Alertmanager webhook payload, version 4 (pure)
+    rules         the alert rules file and alert -> event mapping (pure)
+    roster        which machines exist and are watched, from cluster states (pure)
+    dedup         incident table, bounded seen-window, token bucket (pure)
+    events        deterministic event ids (pure)
+    store         open incidents persisted in the job's health bucket
+    emitter       one event per incident, published durably
+    webhook       POST /webhook
+    httpserver    a small HTTP server with flood limits
+    metrics       the service's Prometheus metrics
+    service       wiring of all of the above
+    bench         detection-latency benchmark (a command, not a test)
+    heartbeater   a stand-in sidecar that only heartbeats (benchmark and tests)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+from trainmover import logs
+from trainmover.bus import BusUnreachable
+
+if TYPE_CHECKING:
+    from trainmover.services.health_monitor.config import Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the service until SIGINT/SIGTERM; exit 2 for bad settings, 1 for bus errors."""
+    from trainmover.services.health_monitor.config import ConfigError, load
+    from trainmover.services.health_monitor.rules import RulesError
+
+    try:
+        settings = load(argv)
+    except ConfigError as err:
+        print(f"health-monitor: error: {err}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_format, settings.log_level)
+    try:
+        return asyncio.run(_run(settings))
+    except RulesError as err:
+        print(f"health-monitor: error: {err}", file=sys.stderr)
+        return 2
+    except (BusUnreachable, OSError) as err:
+        print(f"health-monitor: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _run(settings: Settings) -> int:
+    from trainmover.services.health_monitor.service import HealthMonitor
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    monitor = HealthMonitor(settings)
+    try:
+        await monitor.start()
+        await stop.wait()
+    finally:
+        await monitor.stop()
+    return 0
+
+
+__all__ = ["main"]

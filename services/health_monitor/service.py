@@ -1,0 +1,510 @@
+"""The health-monitor service: wires the bus, the detectors, the emitter and HTTP.
+
+Per watched job it subscribes to heartbeats, step statistics and collective-error
+reports, follows the job's cluster state in the KV bucket, and checks heartbeat
+deadlines every tick. Every decision is logged with its job, machine and reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.errors import BucketNotFoundError
+
+from trainmover import bus
+from trainmover.logs import get_logger
+from trainmover.messages import (
+    ClusterState,
+    CollectiveErrorReport,
+    FailureEvent,
+    Heartbeat,
+    MessageError,
+    StepStats,
+    StragglerEvent,
+    decode,
+    new_id,
+)
+from trainmover.metrics import CONTENT_TYPE
+from trainmover.services.health_monitor.config import Settings
+from trainmover.services.health_monitor.dedup import IncidentTable, SeenWindow, TokenBucket
+from trainmover.services.health_monitor.emitter import Emitter
+from trainmover.services.health_monitor.events import event_id
+from trainmover.services.health_monitor.heartbeats import HeartbeatTracker, Lapse, abnormal_exits
+from trainmover.services.health_monitor.httpserver import HttpServer, Request, Response
+from trainmover.services.health_monitor.metrics import HealthMetrics
+from trainmover.services.health_monitor.roster import Roster, RosterChange
+from trainmover.services.health_monitor.rules import load_rules
+from trainmover.services.health_monitor.stragglers import StragglerDetector
+from trainmover.services.health_monitor.webhook import WebhookHandler
+from trainmover.subjects import STATE_KEY, JobSubjects
+
+SERVICE = "health-monitor"
+log = get_logger(SERVICE)
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    # Write then rename, so a reader never sees a half-written file.
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+class HealthMonitor:
+    """One running health-monitor; `start()` then `stop()`, or `async with`."""
+
+    def __init__(self, settings: Settings, nc: NatsClient | None = None) -> None:
+        self.settings = settings
+        self.metrics = HealthMetrics()
+        self.roster = Roster(settings.jobs, settings.watch_statuses)
+        self.tracker = HeartbeatTracker(settings.heartbeat_timeout, settings.grace)
+        self.stragglers = StragglerDetector(
+            settings.straggler_factor, settings.straggler_steps, settings.straggler_window
+        )
+        self.rules = load_rules(settings.rules)
+        self._given_nc = nc
+        self._nc: NatsClient | None = None
+        self.emitter: Emitter | None = None
+        self.http: HttpServer | None = None
+        self._subs: list[Any] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._watchers: list[Any] = []
+        self._loaded = asyncio.Event()
+        # One dead letter per (job, category, machine) per dedup window, and at most
+        # dead_letter_rate per second overall: a flood of junk must not flood the bus.
+        self._rejected: SeenWindow[tuple[str, str, str]] = SeenWindow(settings.dedup_window)
+        self._reject_bucket = TokenBucket(
+            settings.dead_letter_rate, settings.dead_letter_rate * 10, time.monotonic()
+        )
+        self.port = 0
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        if self._given_nc is not None:
+            self._nc = self._given_nc
+        else:
+            if not s.nats_url:
+                raise bus.BusUnreachable("no NATS URL: pass --nats-url or set TRAINMOVER_NATS_URL")
+            self._nc = await bus.connect(s.nats_url, SERVICE)
+        js = self._nc.jetstream()
+        self.emitter = Emitter(js, IncidentTable(s.dedup_window), self.metrics)
+        for job in s.jobs:
+            await bus.ensure_job(js, job)
+            await self.emitter.add_job(job)
+        self.emitter.start()
+        for job in s.jobs:
+            subjects = JobSubjects(job)
+            self._subs += [
+                await self._nc.subscribe(subjects.heartbeats, cb=self._guard(self._on_heartbeat)),
+                await self._nc.subscribe(subjects.all_stats, cb=self._guard(self._on_stats)),
+                await self._nc.subscribe(
+                    subjects.collective_errors, cb=self._guard(self._on_collective_error)
+                ),
+            ]
+            self._tasks.append(asyncio.create_task(self._follow_state(job)))
+        self._tasks.append(asyncio.create_task(self._check_loop()))
+        webhook = WebhookHandler(
+            rules=self.rules,
+            roster=self.roster,
+            emitter=self.emitter,
+            reject=self._reject,
+            metrics=self.metrics,
+            token=s.webhook_token,
+            publish_timeout=s.publish_timeout,
+        )
+        self.http = HttpServer(
+            {
+                ("POST", "/webhook"): webhook,
+                ("GET", "/metrics"): self._metrics_route,
+                ("GET", "/healthz"): self._healthz_route,
+            },
+            max_body_bytes=s.max_body_bytes,
+            max_connections=s.max_connections,
+            on_reject=self._on_http_reject,
+        )
+        self.port = await self.http.start(s.http_host, s.http_port)
+        if s.port_file:
+            await asyncio.to_thread(_write_port_file, Path(s.port_file), self.port)
+        if not s.jobs:
+            log.warning(
+                "health_monitor_idle",
+                reason="no job to watch: pass --job NAME (repeatable) or --job-config FILE",
+            )
+            self._loaded.set()
+        log.info(
+            "health_monitor_started",
+            jobs=s.jobs,
+            http=f"{s.http_host}:{self.port}",
+            heartbeat_interval_s=s.heartbeat_interval,
+            heartbeat_timeout_s=s.heartbeat_timeout,
+            startup_grace_s=s.grace,
+            dedup_window_s=s.dedup_window,
+            rules=s.rules,
+            alert_rules=len(self.rules.rules),
+            webhook_auth=s.webhook_token is not None,
+        )
+
+    async def wait_loaded(self, timeout: float) -> None:
+        """Waits until every job's cluster state is loaded (for callers and tests)."""
+        await asyncio.wait_for(self._loaded.wait(), timeout)
+
+    async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        for watcher in self._watchers:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        if self.emitter is not None:
+            await self.emitter.stop()
+        if self._side_tasks:
+            await asyncio.wait(self._side_tasks, timeout=5)
+        if self._nc is not None and self._given_nc is None:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+        log.info("health_monitor_stopped")
+
+    async def __aenter__(self) -> HealthMonitor:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # --- cluster state -----------------------------------------------------------
+
+    async def _follow_state(self, job: str) -> None:
+        """Follows the job's cluster state; waits for the bucket and key to exist."""
+        assert self._nc is not None
+        js = self._nc.jetstream()
+        delay = 0.05
+        while True:
+            try:
+                kv = await bus.job_bucket(js, job)
+                watcher = await kv.watch(STATE_KEY)
+                break
+            except BucketNotFoundError:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        self._watchers.append(watcher)
+        async for entry in watcher:
+            if entry is None or entry.value is None or entry.operation is not None:
+                continue  # the initial marker, or a delete: keep the last known state
+            try:
+                state = decode(ClusterState, entry.value)
+            except MessageError as err:
+                log.error("cluster_state_invalid", job=job, reason=str(err))
+                continue
+            if state.job != job:
+                log.error("cluster_state_invalid", job=job, reason=f"names job {state.job!r}")
+                continue
+            self._apply_state(state)
+
+    def _apply_state(self, state: ClusterState) -> None:
+        assert self.emitter is not None
+        job = state.job
+        first = not self.roster.loaded(job)
+        change: RosterChange = self.roster.update(state)
+        now = time.monotonic()
+        for machine in change.settled:
+            self.tracker.unwatch(job, machine)
+            self.stragglers.forget(job, machine)
+            self.emitter.settle(
+                job, machine, f"machine is now {self.roster.status(job, machine) or 'removed'}"
+            )
+        for machine in change.started:
+            self.tracker.watch(job, machine, now)
+            log.info(
+                "machine_watched",
+                job=job,
+                machine=machine,
+                status=self.roster.status(job, machine),
+                reason=f"status is watched; first heartbeat due within {self.tracker.grace_s:g}s",
+            )
+        for machine in change.stopped:
+            log.info(
+                "machine_unwatched",
+                job=job,
+                machine=machine,
+                reason=f"status is now {self.roster.status(job, machine) or 'removed'}",
+            )
+        active = self.roster.active(job)
+        for machine in self.stragglers.machines(job):
+            if machine not in active:
+                self.stragglers.forget(job, machine)
+        self.metrics.machines_watched.set(len(self.tracker.watched(job)), job=job)
+        log.info(
+            "cluster_state_loaded" if first else "cluster_state_updated",
+            job=job,
+            revision=state.revision,
+            machines=len(state.machines),
+            watched=len(self.tracker.watched(job)),
+        )
+        if self.roster.all_loaded:
+            self._loaded.set()
+
+    # --- signals -----------------------------------------------------------------
+
+    def _guard(self, handler: Callable[[str, Msg], None]) -> Callable[[Msg], Awaitable[None]]:
+        """Wraps a subscription handler: finds the job and never lets an error escape."""
+
+        async def run(msg: Msg) -> None:
+            job = msg.subject.split(".")[1]
+            try:
+                if len(msg.data) > bus.MAX_PAYLOAD:
+                    raise MessageError(
+                        f"payload of {len(msg.data)} bytes exceeds {bus.MAX_PAYLOAD}"
+                    )
+                handler(job, msg)
+            except MessageError as err:
+                self._reject(job, msg.subject, msg.data, str(err), "invalid_message")
+            except Exception as err:  # a bug in one message must not stop the subscription
+                log.exception("signal_handler_failed", job=job, subject=msg.subject, error=str(err))
+
+        return run
+
+    def _known(self, job: str, machine: str, subject: str, data: bytes, what: str) -> bool:
+        """True when the machine is in the job's state; rejects it otherwise."""
+        if not self.roster.loaded(job):
+            log.debug("signal_before_state", job=job, machine=machine, reason="state not loaded")
+            return False
+        if self.roster.status(job, machine) is None:
+            self._reject(
+                job,
+                subject,
+                data,
+                f"unknown machine {machine!r}: not in the cluster state of job {job!r} ({what})",
+                "unknown_machine",
+                key=machine,
+            )
+            return False
+        return True
+
+    def _check_sender(self, job: str, msg: Msg, message: Heartbeat | StepStats) -> None:
+        sender = msg.subject.split(".")[-1]
+        if message.job != job or message.machine != sender:
+            raise MessageError(
+                f"message names {message.job}/{message.machine} but came on {msg.subject}"
+            )
+
+    def _on_heartbeat(self, job: str, msg: Msg) -> None:
+        hb = decode(Heartbeat, msg.data)
+        self._check_sender(job, msg, hb)
+        if not self._known(job, hb.machine, msg.subject, msg.data, "heartbeat"):
+            return
+        self.metrics.heartbeats.inc(job=job)
+        if not self.tracker.is_watched(job, hb.machine):
+            return  # failed / maintenance: already settled, its heartbeats mean nothing
+        if self.tracker.beat(job, hb.machine, hb.seq, time.monotonic(), hb.ts):
+            log.info(
+                "machine_recovered",
+                job=job,
+                machine=hb.machine,
+                seq=hb.seq,
+                reason="heartbeat after a lapse",
+            )
+        self.metrics.machines_up.set(self.tracker.up_count(job), job=job)
+        exited = abnormal_exits(hb)
+        if exited:
+            worker = exited[0]
+            ranks = ", ".join(f"local rank {w.local_rank} (code {w.exit_code})" for w in exited)
+            anchor = f"exit:{worker.local_rank}:{worker.pid}:{worker.exit_code}"
+            self._emit(
+                FailureEvent(
+                    event_id=event_id(job, hb.machine, "failure", anchor),
+                    job=job,
+                    machine=hb.machine,
+                    reason=f"worker exited abnormally: {ranks}",
+                    source="worker_exit",
+                    exit_code=worker.exit_code,
+                ),
+                alive_ts=hb.ts,
+            )
+
+    def _on_stats(self, job: str, msg: Msg) -> None:
+        stats = decode(StepStats, msg.data)
+        self._check_sender(job, msg, stats)
+        if not self._known(job, stats.machine, msg.subject, msg.data, "step stats"):
+            return
+        self.metrics.step_stats.inc(job=job)
+        if self.roster.status(job, stats.machine) != "active":
+            return  # standbys run shadow iterations: their times are not the job's
+        finding = self.stragglers.observe(job, stats.machine, stats.step, stats.compute_s)
+        if finding is None:
+            return
+        ev = finding.evidence
+        self._emit(
+            StragglerEvent(
+                event_id=event_id(
+                    job, stats.machine, "straggler", f"slow:{finding.first_slow_step}"
+                ),
+                job=job,
+                machine=stats.machine,
+                reason=(
+                    f"compute time median {ev.machine_median_s:.4f}s over {ev.window} "
+                    f"consecutive steps (to step {finding.step}) above {ev.factor:g} x the job "
+                    f"median {ev.job_median_s:.4f}s"
+                ),
+                evidence=ev,
+            ),
+            alive_ts=None,
+        )
+
+    def _on_collective_error(self, job: str, msg: Msg) -> None:
+        report = decode(CollectiveErrorReport, msg.data)
+        sender = msg.subject.split(".")[-1]
+        if report.job != job or report.machine != sender:
+            raise MessageError(
+                f"message names {report.job}/{report.machine} but came on {msg.subject}"
+            )
+        if not self._known(job, report.machine, msg.subject, msg.data, "collective error reporter"):
+            return
+        if not self._known(job, report.peer, msg.subject, msg.data, "blamed peer"):
+            return
+        if not self.tracker.is_watched(job, report.peer):
+            log.info(
+                "collective_error_ignored",
+                job=job,
+                machine=report.peer,
+                reporter=report.machine,
+                reason=f"peer is already {self.roster.status(job, report.peer)}",
+            )
+            return
+        self._emit(
+            FailureEvent(
+                event_id=event_id(
+                    job, report.peer, "failure", f"collerr:{report.machine}:{report.ts}"
+                ),
+                job=job,
+                machine=report.peer,
+                reason=(
+                    f"collective error in group {report.group!r} reported by {report.machine}: "
+                    f"{report.error}"
+                )[:4096],
+                source="collective_error",
+            ),
+            alive_ts=report.ts,
+        )
+
+    # --- heartbeat deadlines -------------------------------------------------------
+
+    async def _check_loop(self) -> None:
+        tick = self.settings.tick
+        expire_every = max(int(1.0 / tick), 1)
+        n = 0
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                for lapse in self.tracker.lapsed(time.monotonic()):
+                    self._on_lapse(lapse)
+                n += 1
+                if n % expire_every == 0 and self.emitter is not None:
+                    self.emitter.expire()
+                    for job in self.roster.jobs:
+                        self.metrics.machines_up.set(self.tracker.up_count(job), job=job)
+            except Exception as err:  # keep checking whatever one lapse did
+                log.exception("lapse_check_failed", error=str(err))
+
+    def _on_lapse(self, lapse: Lapse) -> None:
+        if lapse.last_seen is None:
+            reason = f"no heartbeat within the {self.tracker.grace_s:g}s grace since watching began"
+            # Nothing names this silence across restarts; the stored incident dedups it.
+            anchor = f"hb:never:{new_id()}"
+            alive_ts = None
+        else:
+            reason = (
+                f"missed heartbeats for {lapse.silent_s:.2f}s (timeout "
+                f"{self.tracker.timeout_s:g}s, last seq {lapse.last_seq})"
+            )
+            anchor = f"hb:{lapse.last_seq}:{lapse.last_sent_ts}"
+            alive_ts = time.time() - lapse.silent_s
+        self.metrics.machines_up.set(self.tracker.up_count(lapse.job), job=lapse.job)
+        self._emit(
+            FailureEvent(
+                event_id=event_id(lapse.job, lapse.machine, "failure", anchor),
+                job=lapse.job,
+                machine=lapse.machine,
+                reason=reason,
+                source="heartbeat",
+            ),
+            alive_ts=alive_ts,
+        )
+
+    def _emit(self, event: FailureEvent | StragglerEvent, alive_ts: float | None) -> None:
+        assert self.emitter is not None
+        self.emitter.propose(event, alive_ts=alive_ts)
+
+    # --- rejects -------------------------------------------------------------------
+
+    def _reject(
+        self,
+        job: str | None,
+        subject: str,
+        payload: bytes,
+        reason: str,
+        category: str,
+        key: str = "",
+    ) -> None:
+        """Logs a rejected input and dead-letters it, within the flood limits."""
+        if not self.roster.jobs:
+            self.metrics.dead_letters_suppressed.inc(category=category)
+            log.info("input_rejected", subject=subject, reason=reason, dead_letter="no job")
+            return
+        target = job if job in self.roster.jobs else self.roster.jobs[0]
+        ident = (target, category, key or reason)
+        now = time.monotonic()
+        if not self._rejected.first(ident, now) or not self._reject_bucket.allow(now):
+            self.metrics.dead_letters_suppressed.inc(category=category)
+            log.debug("input_rejected_again", job=target, subject=subject, reason=reason)
+            return
+        self.metrics.dead_letters.inc(job=target, category=category)
+        assert self._nc is not None
+        task = asyncio.create_task(
+            bus.dead_letter(self._nc.jetstream(), target, subject, payload, reason, SERVICE)
+        )
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    # --- HTTP ------------------------------------------------------------------------
+
+    def _on_http_reject(self, path: str, status: int) -> None:
+        if path == "/webhook" or not path:
+            outcome = {400: "bad_request", 413: "too_large", 503: "unavailable"}.get(
+                status, f"http_{status}"
+            )
+            self.metrics.webhook_requests.inc(outcome=outcome)
+
+    async def _metrics_route(self, _request: Request) -> Response:
+        for job in self.roster.jobs:
+            self.metrics.machines_up.set(self.tracker.up_count(job), job=job)
+        return Response(200, self.metrics.registry.render().encode(), CONTENT_TYPE)
+
+    async def _healthz_route(self, _request: Request) -> Response:
+        connected = self._nc is not None and self._nc.is_connected
+        ready = connected and self.roster.all_loaded
+        body = {
+            "status": "ok" if ready else "starting" if connected else "bus_disconnected",
+            "bus_connected": connected,
+            "jobs": {j: self.roster.loaded(j) for j in self.roster.jobs},
+            "open_incidents": len(self.emitter.table) if self.emitter else 0,
+            "pending_publishes": self.emitter.pending if self.emitter else 0,
+        }
+        return Response.json(200 if ready else 503, body)

@@ -1,0 +1,133 @@
+"""Straggler detection, pure: a machine whose compute time stays above the job median.
+
+Input is each active machine's compute time per step (time waiting in collectives
+excluded, so a machine that waits for a slow peer does not look slow itself). For each
+new step of machine m:
+
+- the *job median* is the median, over the other active machines, of each one's median
+  compute time over its last `window` steps (m itself is left out, so one straggler in a
+  small job cannot drag the reference up);
+- the step is *slow* when its compute time exceeds `factor` x the job median.
+
+Hysteresis: m is flagged after `consecutive` slow steps in a row (one slow step is
+noise, not a straggler), and un-flagged only after `consecutive` normal steps in a row,
+so a machine hovering at the threshold yields one event, not one per crossing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from trainmover.messages import StragglerEvidence
+
+
+@dataclass(frozen=True)
+class StragglerFinding:
+    """Machine `machine` of `job` was slow for `evidence.window` consecutive steps."""
+
+    job: str
+    machine: str
+    first_slow_step: int
+    step: int
+    evidence: StragglerEvidence
+
+
+@dataclass
+class _History:
+    times: deque[float]
+    last_step: int = -1
+    slow_run: deque[float] = field(default_factory=deque)
+    slow_count: int = 0
+    slow_since: int = -1
+    normal_run: int = 0
+    flagged: bool = False
+
+
+class StragglerDetector:
+    """Per-job rolling step statistics and the hysteresis state of every machine."""
+
+    def __init__(
+        self, factor: float = 1.5, consecutive: int = 5, window: int = 20, min_peers: int = 1
+    ) -> None:
+        if factor <= 1 or consecutive < 1 or window < 1 or min_peers < 1:
+            raise ValueError(
+                "straggler settings: factor > 1, consecutive >= 1, window >= 1, min_peers >= 1"
+            )
+        self.factor = factor
+        self.consecutive = consecutive
+        self.window = window
+        self.min_peers = min_peers
+        self._jobs: dict[str, dict[str, _History]] = {}
+
+    def forget(self, job: str, machine: str) -> None:
+        """Drops a machine's history (it left, failed, or is not active any more)."""
+        self._jobs.get(job, {}).pop(machine, None)
+
+    def machines(self, job: str) -> list[str]:
+        return list(self._jobs.get(job, {}))
+
+    def job_median(self, job: str, excluding: str | None = None) -> float | None:
+        """Median over machines (but `excluding`) of their recent medians; None if too few."""
+        medians = [
+            statistics.median(h.times)
+            for name, h in self._jobs.get(job, {}).items()
+            if name != excluding and h.times
+        ]
+        if len(medians) < self.min_peers:
+            return None
+        return statistics.median(medians)
+
+    def observe(
+        self, job: str, machine: str, step: int, compute_s: float
+    ) -> StragglerFinding | None:
+        """Adds one step of one machine; returns a finding when it just became a straggler."""
+        history = self._jobs.setdefault(job, {}).get(machine)
+        if history is None:
+            history = _History(times=deque(maxlen=self.window))
+            self._jobs[job][machine] = history
+        if step <= history.last_step:
+            return None  # a repeated or reordered report says nothing new
+        history.last_step = step
+        # The reference is taken before this step joins the history.
+        reference = self.job_median(job, excluding=machine)
+        history.times.append(compute_s)
+        if reference is None or reference <= 0:
+            return None
+        if compute_s > self.factor * reference:
+            if not history.slow_count:
+                history.slow_since = step
+            history.slow_count += 1
+            # Only the last `consecutive` slow times are evidence: memory stays bounded
+            # however long the machine stays slow.
+            history.slow_run.append(compute_s)
+            if len(history.slow_run) > self.consecutive:
+                history.slow_run.popleft()
+            history.normal_run = 0
+            if not history.flagged and history.slow_count >= self.consecutive:
+                history.flagged = True
+                run = list(history.slow_run)
+                return StragglerFinding(
+                    job=job,
+                    machine=machine,
+                    first_slow_step=history.slow_since,
+                    step=step,
+                    evidence=StragglerEvidence(
+                        machine_median_s=statistics.median(run),
+                        job_median_s=reference,
+                        factor=self.factor,
+                        window=self.consecutive,
+                    ),
+                )
+            return None
+        history.slow_run.clear()
+        history.slow_count = 0
+        history.normal_run += 1
+        if history.flagged and history.normal_run >= self.consecutive:
+            history.flagged = False
+        return None
+
+    def is_flagged(self, job: str, machine: str) -> bool:
+        history = self._jobs.get(job, {}).get(machine)
+        return bool(history and history.flagged)
