@@ -41,8 +41,8 @@ async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
 
 
 def sample_state(job: str, machines: int = 4, standbys: int = 1) -> ClusterState:
-    """A TP2 x PP2 x DP2 job on `machines` machines of 2 ranks, plus warm standbys."""
-    layout = Layout(tp=2, pp=2, dp=2)
+    """A TP2 x PP2 x DP(machines/2) job on `machines` machines of 2 ranks, plus standbys."""
+    layout = Layout(tp=2, pp=2, dp=max(1, machines // 2))
     state = {
         f"m{i}": MachineState(status="active", cell=cell)
         for i, cell in enumerate(layout.cells()[:machines])

@@ -28,22 +28,21 @@ from typing import Any
 from nats.js.api import DeliverPolicy
 
 from trainmover import bus, logs
-from trainmover.messages import ClusterState, Layout, MachineState, Role, decode_event
+from trainmover.messages import ClusterState, MachineState, decode_event
 from trainmover.metrics import parse_text
 from trainmover.natsserver import EmbeddedNats
+from trainmover.runtime.layout import Layout
 from trainmover.subjects import STATE_KEY, JobSubjects
 
 JOB = "bench"
 
 
 def _state(reps: int) -> ClusterState:
+    layout = Layout(tp=1, pp=1, dp=reps + 1)
     machines = {
-        f"m{i}": MachineState(status="active", roles=[Role(rank=i, dp=i, pp=0, tp=0)])
-        for i in range(reps + 1)
+        f"m{i}": MachineState(status="active", cell=cell) for i, cell in enumerate(layout.cells())
     }
-    return ClusterState(
-        job=JOB, layout=Layout(tp=1, pp=1, dp=reps + 1, ranks_per_machine=1), machines=machines
-    )
+    return ClusterState(job=JOB, layout=layout, machines=machines)
 
 
 def _wait_all_up(port_file: Path, machines: int, timeout: float) -> None:
