@@ -1,0 +1,102 @@
+"""The job config file (YAML or JSON): layout, model sizes, training and runtime knobs.
+
+Everything that must be equal on a leaver and its joiner for a bit-identical continuation
+(sizes, seed, eager vs compiled, thread count) comes from here, so both read it from the
+same file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from trainmover.runtime.layout import Layout
+
+
+class ModelConfig(BaseModel):
+    """Sizes of the reference GPT-style decoder."""
+
+    model_config = ConfigDict(frozen=True)
+
+    vocab_size: int = Field(default=64, ge=2)
+    d_model: int = Field(default=32, ge=1)
+    n_heads: int = Field(default=4, ge=1)
+    n_layers: int = Field(default=4, ge=1)
+    seq_len: int = Field(default=16, ge=2)
+    mlp_ratio: int = Field(default=4, ge=1)
+    dropout: float = Field(default=0.1, ge=0.0, lt=1.0)
+
+
+class TrainConfig(BaseModel):
+    """The training loop. Nothing here depends on `steps` (no schedule), so a run of N
+    steps is a prefix of a longer run: tests compare states at a common step."""
+
+    model_config = ConfigDict(frozen=True)
+
+    steps: int = Field(default=100, ge=1)
+    micro_batches: int = Field(default=2, ge=1)
+    micro_batch_size: int = Field(default=4, ge=1)
+    lr: float = Field(default=3e-3, gt=0)
+    seed: int = 1234
+    compile: bool = False
+    #: Steps after which every rank writes its full state (for comparisons).
+    dump_steps: list[int] = Field(default_factory=list)
+
+
+class RuntimeConfig(BaseModel):
+    """How workers talk to each other."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: "auto" picks cuda (NCCL) when available, else cpu (gloo).
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    group_timeout_s: float = Field(default=120.0, gt=0)
+    #: Threads per worker; joiner and leaver must match for identical results.
+    threads: int = Field(default=1, ge=1)
+
+
+class JobConfig(BaseModel):
+    """A whole job, as read from its config file."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job: str = "job"
+    layout: Layout = Layout(tp=2, pp=2, dp=2)
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    @model_validator(mode="after")
+    def _check_divisibility(self) -> JobConfig:
+        lay, m = self.layout, self.model
+        if m.n_heads % lay.tp or (m.d_model * m.mlp_ratio) % lay.tp:
+            raise ValueError("n_heads and the MLP width must divide by layout.tp")
+        if m.d_model % m.n_heads:
+            raise ValueError("d_model must divide by n_heads")
+        if m.n_layers % lay.pp:
+            raise ValueError("n_layers must divide by layout.pp")
+        return self
+
+    def with_updates(self, **sections: dict) -> JobConfig:
+        """A copy with some fields of some sections replaced, e.g. train={"steps": 40}."""
+        data = self.model_dump()
+        for section, values in sections.items():
+            data[section] = {**data[section], **values} if isinstance(values, dict) else values
+        return JobConfig.model_validate(data)
+
+
+def load_config(path: str | Path) -> JobConfig:
+    """Reads a job config from YAML (.yaml/.yml) or JSON."""
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    return JobConfig.model_validate(data or {})
+
+
+def save_config(config: JobConfig, path: str | Path) -> Path:
+    """Writes `config` as JSON (which YAML readers accept too)."""
+    path = Path(path)
+    path.write_text(json.dumps(config.model_dump(), indent=2))
+    return path
