@@ -13,7 +13,6 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from trainmover.runtime.layout import Layout
 
 

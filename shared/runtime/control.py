@@ -1,0 +1,317 @@
+"""The control API between a supervising process (local driver, later the sidecar) and the
+runtime in each worker: typed messages over one local TCP connection per worker.
+
+Wire format: one JSON object per line, ``{"type", "id", "reply_to", "body"}``. A request
+carries an ``id`` and gets exactly one reply carrying ``reply_to``; an event carries
+neither. Bodies are the pydantic models below (``type`` is each model's ``TYPE``), so a
+non-Python supervisor can speak it from the JSON Schemas (`schemas()`).
+
+Supervisor -> worker requests: prepare, commit, advance, status, stop.
+Worker -> supervisor: the hello request (answered by welcome) and the events
+step, ready, switched, plan_failed, exited.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel
+from trainmover.runtime.layout import Role
+from trainmover.runtime.plan import GroupSpec, Plan
+
+CONTROL_SCHEMA_VERSION = 1
+
+
+class Message(BaseModel):
+    TYPE: ClassVar[str]
+
+
+# -- supervisor -> worker ------------------------------------------------------------------
+
+
+class Prepare(Message):
+    """Phase 1: build my groups of the plan's delta in the background (joiners also get
+    their role from the plan). Replied at once; `Ready` follows when built."""
+
+    TYPE: ClassVar[str] = "prepare"
+    plan: Plan
+
+
+class Commit(Message):
+    """Phase 2: switch at the boundary after `step`. Refused when this rank has already
+    passed that boundary or its groups are not ready."""
+
+    TYPE: ClassVar[str] = "commit"
+    plan_id: str
+    step: int
+
+
+class Advance(Message):
+    """Allow steps up to and including `limit` (a rank waits at the boundary after it)."""
+
+    TYPE: ClassVar[str] = "advance"
+    limit: int
+
+
+class Status(Message):
+    TYPE: ClassVar[str] = "status"
+
+
+class Stop(Message):
+    """Finish at the next step boundary (as if the job had reached its last step)."""
+
+    TYPE: ClassVar[str] = "stop"
+
+
+class PrepareAck(Message):
+    TYPE: ClassVar[str] = "prepare_ack"
+    step: int
+    building: list[str]
+
+
+class CommitAck(Message):
+    TYPE: ClassVar[str] = "commit_ack"
+    accepted: bool
+    #: Last step whose boundary this rank has passed.
+    passed: int
+    reason: str = ""
+
+
+class Ack(Message):
+    TYPE: ClassVar[str] = "ack"
+
+
+class RankStatus(Message):
+    TYPE: ClassVar[str] = "rank_status"
+    machine: str
+    local_rank: int
+    role: Role | None
+    step: int
+    limit: int
+    #: kind -> {name, generation, incarnation, rank, size}
+    groups: dict[str, dict[str, Any]]
+    plan_id: str | None
+
+
+class Error(Message):
+    TYPE: ClassVar[str] = "error"
+    message: str
+
+
+# -- worker -> supervisor ------------------------------------------------------------------
+
+
+class Hello(Message):
+    TYPE: ClassVar[str] = "hello"
+    machine: str
+    local_rank: int
+    pid: int
+    schema_version: int = CONTROL_SCHEMA_VERSION
+
+
+class Welcome(Message):
+    """The answer to hello: a role and its generation-0 groups, or no role (standby)."""
+
+    TYPE: ClassVar[str] = "welcome"
+    job: str
+    role: Role | None
+    groups: list[GroupSpec]
+    limit: int
+    store: str
+
+
+class StepDone(Message):
+    TYPE: ClassVar[str] = "step"
+    step: int
+    #: Wall clock (time.time()) at the end of the step, and the step's own duration.
+    t_end: float
+    seconds: float
+    loss: float | None = None
+
+
+class Ready(Message):
+    TYPE: ClassVar[str] = "ready"
+    plan_id: str
+    built: list[str]
+    build_s: float
+    #: Steps this rank completed while its groups were being built (phase 1 overlap).
+    steps_during_build: int
+
+
+class Switched(Message):
+    """A rank finished its part of the switch at the boundary after `step`."""
+
+    TYPE: ClassVar[str] = "switched"
+    plan_id: str
+    step: int
+    part: Literal["leaver", "joiner", "stayer"]
+    #: Groups this rank replaced (stayer, joiner) or closed (leaver).
+    rebuilt: list[str]
+    t_start: float
+    t_end: float
+    transfer_bytes: int = 0
+    transfer_s: float = 0.0
+
+
+class PlanFailed(Message):
+    TYPE: ClassVar[str] = "plan_failed"
+    plan_id: str
+    error: str
+
+
+class Exited(Message):
+    TYPE: ClassVar[str] = "exited"
+    reason: Literal["finished", "left", "error"]
+    step: int
+    error: str = ""
+
+
+MESSAGES: dict[str, type[Message]] = {
+    m.TYPE: m
+    for m in (
+        Prepare,
+        Commit,
+        Advance,
+        Status,
+        Stop,
+        PrepareAck,
+        CommitAck,
+        Ack,
+        RankStatus,
+        Error,
+        Hello,
+        Welcome,
+        StepDone,
+        Ready,
+        Switched,
+        PlanFailed,
+        Exited,
+    )
+}
+
+
+def schemas() -> dict[str, dict[str, Any]]:
+    """JSON Schema of every control message body, by type."""
+    return {t: m.model_json_schema() for t, m in MESSAGES.items()}
+
+
+class RemoteError(RuntimeError):
+    """The other side answered a request with an error."""
+
+
+RequestHandler = Callable[[Message], Message]
+EventHandler = Callable[[Message], None]
+
+
+class Connection:
+    """One JSON-lines connection, symmetric: either side sends requests and events.
+
+    Incoming requests go to `on_request` (its return value is the reply; an exception
+    becomes an `Error` reply) and events to `on_event`, both on the reader thread, so
+    handlers must not block for long.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        on_request: RequestHandler | None = None,
+        on_event: EventHandler | None = None,
+        on_close: Callable[[], None] | None = None,
+    ):
+        self._sock = sock
+        self._reader = sock.makefile("rb")
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, Future[Message]] = {}
+        self.on_request, self.on_event, self.on_close = on_request, on_event, on_close
+        self.closed = threading.Event()
+
+    def start(self, name: str = "control-reader") -> Connection:
+        threading.Thread(target=self._read_loop, name=name, daemon=True).start()
+        return self
+
+    def request(self, body: Message, timeout_s: float) -> Message:
+        """Sends a request and waits for its reply."""
+        rid = next(self._ids)
+        fut: Future[Message] = Future()
+        self._waiting[rid] = fut
+        self._send({"type": body.TYPE, "id": rid, "reply_to": None, "body": body.model_dump()})
+        try:
+            reply = fut.result(timeout=timeout_s)
+        finally:
+            self._waiting.pop(rid, None)
+        if isinstance(reply, Error):
+            raise RemoteError(reply.message)
+        return reply
+
+    def notify(self, body: Message) -> None:
+        """Sends an event (no reply)."""
+        self._send({"type": body.TYPE, "id": None, "reply_to": None, "body": body.model_dump()})
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _send(self, envelope: dict[str, Any]) -> None:
+        line = (json.dumps(envelope) + "\n").encode()
+        with self._send_lock:
+            self._sock.sendall(line)
+
+    def _read_loop(self) -> None:
+        try:
+            for line in self._reader:
+                self._dispatch(json.loads(line))
+        except (OSError, ValueError):
+            pass  # connection gone; on_close tells the owner
+        finally:
+            self.closed.set()
+            for fut in list(self._waiting.values()):
+                if not fut.done():
+                    fut.set_exception(ConnectionError("control connection closed"))
+            if self.on_close is not None:
+                self.on_close()
+
+    def _dispatch(self, envelope: dict[str, Any]) -> None:
+        body = MESSAGES[envelope["type"]].model_validate(envelope["body"])
+        if envelope.get("reply_to") is not None:
+            fut = self._waiting.get(envelope["reply_to"])
+            if fut is not None and not fut.done():
+                fut.set_result(body)
+        elif envelope.get("id") is not None:
+            try:
+                if self.on_request is None:
+                    raise RuntimeError(f"no handler for {body.TYPE}")
+                reply = self.on_request(body)
+            except Exception as exc:  # the requester sees it as RemoteError
+                reply = Error(message=f"{type(exc).__name__}: {exc}")
+            self._send(
+                {
+                    "type": reply.TYPE,
+                    "id": None,
+                    "reply_to": envelope["id"],
+                    "body": reply.model_dump(),
+                }
+            )
+        elif self.on_event is not None:
+            self.on_event(body)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def connect(address: str, timeout_s: float = 30.0) -> socket.socket:
+    sock = socket.create_connection(parse_address(address), timeout=timeout_s)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock

@@ -1,0 +1,383 @@
+"""Local driver: runs a job of real worker processes on loopback and migrates machines.
+
+`LocalJob` plays the control plane for one job before the services exist (and is what
+tests and the benchmark use): it launches M machines x G ranks plus standby machines,
+answers their hello with roles and generation-0 groups, keeps the group generations and
+the machine -> cell assignment, and drives a planned migration through the control API:
+prepare (phase 1) -> ready -> commit(k) (phase 2) -> switched. The sidecar of a later
+issue sends the same commands over the same channel.
+
+Waits are on events from the workers with deadlines; a worker that dies fails the wait
+at once with the tail of its log instead of letting it run into its deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from trainmover.runtime import control as c
+from trainmover.runtime.config import JobConfig, save_config
+from trainmover.runtime.launcher import ControlServer, RendezvousHost, spawn_worker
+from trainmover.runtime.layout import MachineRole, Role
+from trainmover.runtime.plan import Plan, RankRef, compute_delta, group_specs
+
+REFERENCE_ENTRY = "trainmover.runtime.reference"
+T = TypeVar("T")
+
+
+class WorkerDied(RuntimeError):
+    """A worker process exited unexpectedly."""
+
+
+@dataclass
+class MigrationReport:
+    """What one migration did, as the workers reported it."""
+
+    plan: Plan
+    commit_step: int
+    prepare_sent: float
+    ready: dict[RankRef, c.Ready]
+    ready_at: float
+    commit_sent: float
+    commit_acked: float
+    switched: dict[RankRef, c.Switched]
+    prepare_acks: dict[RankRef, c.PrepareAck] = field(default_factory=dict)
+
+
+class LocalJob:
+    """One job's worker processes and the control-plane state that drives them."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        run_dir: Path,
+        standbys: int = 1,
+        limit: int | None = None,
+        entry: str = REFERENCE_ENTRY,
+        store_address: str | None = None,
+        timeout_s: float = 120.0,
+    ):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.entry = entry
+        self.timeout_s = timeout_s
+        self.layout = config.layout
+        cells = self.layout.cells()
+        #: Active machines -> the (dp, pp) cell each serves.
+        self.assignment: dict[str, MachineRole] = {f"m{i}": cell for i, cell in enumerate(cells)}
+        self.standbys: list[str] = []
+        self.generations: dict[str, int] = dict.fromkeys(self.layout.all_groups(), 0)
+        self.limit = config.train.steps if limit is None else limit
+        self._plan_ids = itertools.count(1)
+        self._standby_ids = itertools.count(0)
+
+        self._cond = threading.Condition()
+        self.last_step: dict[RankRef, int] = {}
+        #: step -> rank -> (t_end, seconds, loss)
+        self.steps: dict[int, dict[RankRef, c.StepDone]] = defaultdict(dict)
+        self.ready: dict[str, dict[RankRef, c.Ready]] = defaultdict(dict)
+        self.switched: dict[str, dict[RankRef, c.Switched]] = defaultdict(dict)
+        self.failed: dict[str, dict[RankRef, c.PlanFailed]] = defaultdict(dict)
+        self.exited: dict[RankRef, c.Exited] = {}
+        self.procs: dict[RankRef, subprocess.Popen[bytes]] = {}
+
+        self._config_path = save_config(config, self.run_dir / "job.json")
+        self._rendezvous = None if store_address else RendezvousHost()
+        self.store_address = store_address or self._rendezvous.address  # type: ignore[union-attr]
+        self.control = ControlServer(self._welcome, self._on_event)
+        for machine in self.assignment:
+            self._spawn_machine(machine)
+        self.add_standbys(standbys)
+
+    # -- processes ---------------------------------------------------------------------
+
+    def _spawn_machine(self, machine: str) -> None:
+        for local_rank in range(self.layout.ranks_per_machine):
+            ref = RankRef(machine=machine, local_rank=local_rank)
+            self.procs[ref] = spawn_worker(
+                ref, self.entry, self.control.address, self._config_path, self.run_dir
+            )
+
+    def add_standbys(self, count: int) -> list[str]:
+        """Starts `count` standby machines (they connect and wait for a plan)."""
+        names = [f"s{next(self._standby_ids)}" for _ in range(count)]
+        for name in names:
+            self.standbys.append(name)
+            self._spawn_machine(name)
+        return names
+
+    def ranks(self, machines: Iterable[str] | None = None) -> list[RankRef]:
+        machines = self.assignment if machines is None else machines
+        return [
+            RankRef(machine=m, local_rank=i)
+            for m in sorted(machines)
+            for i in range(self.layout.ranks_per_machine)
+        ]
+
+    def wait_connected(self, timeout_s: float | None = None) -> None:
+        """Until every process has said hello."""
+        expected = set(self.procs)
+        self._wait(lambda: expected <= self.control.connected(), timeout_s, "hello from all")
+
+    def close(self) -> None:
+        """Stops everything still running: stop, then terminate, then kill."""
+        for ref, proc in self.procs.items():
+            if proc.poll() is None and ref in self.control.connected():
+                try:
+                    self.control.request(ref, c.Stop(), timeout_s=2)
+                except Exception:
+                    pass
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.control.close()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+
+    def __enter__(self) -> LocalJob:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- control-plane answers ---------------------------------------------------------
+
+    def _welcome(self, hello: c.Hello) -> c.Welcome:
+        cell = self.assignment.get(hello.machine)
+        me = RankRef(machine=hello.machine, local_rank=hello.local_rank)
+        if cell is None:
+            role, groups = None, []
+        else:
+            role = Role(dp=cell.dp, pp=cell.pp, tp=hello.local_rank)
+            groups = [
+                s
+                for s in group_specs(self.layout, self.assignment, self.generations)
+                if s.group_rank(me) is not None
+            ]
+        return c.Welcome(
+            job=self.config.job,
+            role=role,
+            groups=groups,
+            limit=self.limit,
+            store=self.store_address,
+        )
+
+    def _on_event(self, ref: RankRef, msg: c.Message) -> None:
+        with self._cond:
+            if isinstance(msg, c.StepDone):
+                self.last_step[ref] = msg.step
+                self.steps[msg.step][ref] = msg
+            elif isinstance(msg, c.Ready):
+                self.ready[msg.plan_id][ref] = msg
+            elif isinstance(msg, c.Switched):
+                self.switched[msg.plan_id][ref] = msg
+            elif isinstance(msg, c.PlanFailed):
+                self.failed[msg.plan_id][ref] = msg
+            elif isinstance(msg, c.Exited):
+                self.exited[ref] = msg
+            self._cond.notify_all()
+
+    def _wait(self, predicate: Callable[[], T], timeout_s: float | None, what: str) -> T:
+        """Waits for `predicate` to be truthy, failing fast if a worker died."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        with self._cond:
+            while True:
+                result = predicate()
+                if result:
+                    return result
+                self._check_alive()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"timed out waiting for {what}")
+                # Woken by every worker event; the cap only bounds how late a silent
+                # process death is noticed.
+                self._cond.wait(min(remaining, 0.5))
+
+    def _check_alive(self) -> None:
+        for ref, proc in self.procs.items():
+            code = proc.poll()
+            exited = self.exited.get(ref)
+            if code is None:
+                continue
+            if code != 0 or (exited is not None and exited.reason == "error"):
+                log = self.run_dir / "logs" / f"{ref.machine}-{ref.local_rank}.log"
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                raise WorkerDied(f"{ref} exited with {code}:\n{tail}")
+
+    # -- training progress -------------------------------------------------------------
+
+    def set_limit(self, limit: int) -> None:
+        """Lets every live rank (standbys included) run through step `limit`."""
+        self.limit = limit
+        for ref in self._live():
+            self.control.request(ref, c.Advance(limit=limit), self.timeout_s)
+
+    def wait_step(
+        self, step: int, machines: Iterable[str] | None = None, timeout_s: float | None = None
+    ) -> None:
+        """Until every rank of `machines` (default: all active) completed `step`."""
+        refs = self.ranks(machines)
+        self._wait(
+            lambda: all(self.last_step.get(r, 0) >= step for r in refs), timeout_s, f"step {step}"
+        )
+
+    def current_step(self) -> int:
+        with self._cond:
+            return max((self.last_step.get(r, 0) for r in self.ranks()), default=0)
+
+    def status(self) -> dict[RankRef, c.RankStatus]:
+        return {
+            r: self.control.request(r, c.Status(), self.timeout_s)  # type: ignore[misc]
+            for r in self.ranks()
+        }
+
+    def finish(self, timeout_s: float | None = None) -> None:
+        """Runs the job to its last step and waits for every worker to exit cleanly;
+        standbys never used are stopped."""
+        self.set_limit(self.config.train.steps)
+        for machine in self.standbys:
+            for ref in self.ranks([machine]):
+                self.control.request(ref, c.Stop(), self.timeout_s)
+        refs = list(self.procs)
+        self._wait(
+            lambda: all(self.procs[r].poll() is not None for r in refs),
+            timeout_s,
+            "all workers to exit",
+        )
+        self._check_alive()
+
+    def losses(self) -> dict[int, float]:
+        """Mean loss over the DP replicas' last stages, by step."""
+        out = {}
+        for step, by_rank in sorted(self.steps.items()):
+            values = [e.loss for e in by_rank.values() if e.loss is not None]
+            if values:
+                out[step] = sum(values) / len(values)
+        return out
+
+    def _live(self) -> list[RankRef]:
+        return [r for r, p in self.procs.items() if p.poll() is None and r not in self.exited]
+
+    # -- migration -----------------------------------------------------------------------
+
+    def make_plan(self, moves: dict[str, str], full: bool = False) -> Plan:
+        """The plan moving each leaver to its joiner (leaver -> joiner)."""
+        return compute_delta(
+            job=self.config.job,
+            plan_id=f"p{next(self._plan_ids)}",
+            layout=self.layout,
+            assignment=self.assignment,
+            generations=self.generations,
+            moves=moves,
+            full=full,
+        )
+
+    def affected_ranks(self, plan: Plan) -> list[RankRef]:
+        """Every rank with work in `plan`: leavers, joiners, and stayers of the delta."""
+        return [r for r in self.ranks(plan.affected_machines()) if plan.specs_for(r)]
+
+    def prepare(
+        self, plan: Plan, machines: Iterable[str] | None = None
+    ) -> dict[RankRef, c.PrepareAck]:
+        """Phase 1 on the affected ranks (of `machines` only, when given)."""
+        chosen = set(plan.affected_machines() if machines is None else machines)
+        return {
+            r: self.control.request(r, c.Prepare(plan=plan), self.timeout_s)  # type: ignore[misc]
+            for r in self.affected_ranks(plan)
+            if r.machine in chosen
+        }
+
+    def wait_ready(self, plan: Plan, timeout_s: float | None = None) -> dict[RankRef, c.Ready]:
+        refs = self.affected_ranks(plan)
+
+        def all_ready() -> bool:
+            if self.failed.get(plan.plan_id):
+                raise RuntimeError(f"plan {plan.plan_id} failed: {self.failed[plan.plan_id]}")
+            return all(r in self.ready[plan.plan_id] for r in refs)
+
+        self._wait(all_ready, timeout_s, f"ready of {plan.plan_id}")
+        return dict(self.ready[plan.plan_id])
+
+    def commit(self, plan: Plan, step: int) -> dict[RankRef, c.CommitAck]:
+        """Phase 2: every affected rank switches at the boundary after `step`."""
+        acks: dict[RankRef, c.CommitAck] = {
+            r: self.control.request(
+                r,
+                c.Commit(plan_id=plan.plan_id, step=step),  # type: ignore[misc]
+                self.timeout_s,
+            )
+            for r in self.affected_ranks(plan)
+        }
+        refused = {str(r): a.reason for r, a in acks.items() if not a.accepted}
+        if refused:
+            # Part 1 has no abort path yet (issue 5): a refused commit is fatal to the plan.
+            raise RuntimeError(f"commit({step}) of {plan.plan_id} refused: {refused}")
+        return acks
+
+    def wait_switched(
+        self, plan: Plan, timeout_s: float | None = None
+    ) -> dict[RankRef, c.Switched]:
+        """Until every affected rank switched; then records the new assignment and
+        generations (the control plane's side of the commit)."""
+        refs = self.affected_ranks(plan)
+        self._wait(
+            lambda: all(r in self.switched[plan.plan_id] for r in refs),
+            timeout_s,
+            f"switch of {plan.plan_id}",
+        )
+        leavers = self.ranks(plan.leavers())
+        self._wait(
+            lambda: all(self.procs[r].poll() is not None for r in leavers),
+            timeout_s,
+            "leavers to exit",
+        )
+        for move in plan.moves:
+            del self.assignment[move.leaver]
+            self.assignment[move.joiner] = move.cell
+            self.standbys.remove(move.joiner)
+        for spec in plan.groups:
+            self.generations[spec.name] = spec.generation
+        return dict(self.switched[plan.plan_id])
+
+    def migrate(
+        self,
+        moves: dict[str, str],
+        at_step: int | None = None,
+        margin: int = 2,
+        full: bool = False,
+        timeout_s: float | None = None,
+    ) -> MigrationReport:
+        """A whole planned migration. The switch step is `at_step`, or `margin` steps past
+        the furthest rank once everyone is ready (ahead of the slowest worker, so no rank
+        has passed it when the commit arrives)."""
+        plan = self.make_plan(moves, full=full)
+        prepare_sent = time.time()
+        acks = self.prepare(plan)
+        ready = self.wait_ready(plan, timeout_s)
+        ready_at = time.time()
+        step = at_step if at_step is not None else self.current_step() + margin
+        commit_sent = time.time()
+        self.commit(plan, step)
+        commit_acked = time.time()
+        switched = self.wait_switched(plan, timeout_s)
+        return MigrationReport(
+            plan, step, prepare_sent, ready, ready_at, commit_sent, commit_acked, switched, acks
+        )

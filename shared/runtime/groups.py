@@ -1,0 +1,219 @@
+"""Reconfigurable communication groups: build one from the rendezvous store, keep a table.
+
+There is no global default group (its loss would take every group down): each group is
+its own backend object (gloo on CPU, NCCL on CUDA) built from a prefix of the rendezvous
+store namespaced by (job, group, generation). Before joining, a rank claims its group rank
+in the store with compare-and-set, so the store (hosted off the training machines) is the
+arbiter: a rank of an old generation, or any second claimant, can never join.
+
+A rank's `GroupTable` maps each group kind (tp, pp, dp) to its current `Group`. Swapping
+replaces only the named kinds; every other entry stays the very same object.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from trainmover.runtime.plan import GroupSpec, RankRef
+
+_incarnations = itertools.count(1)
+
+
+class StaleMemberError(RuntimeError):
+    """A rank tried to join a group slot that the store says belongs to someone else."""
+
+
+class Group:
+    """One built incarnation of a group, with the collectives the runtime uses.
+
+    Every call waits for its work item; `send` returns the work instead so a pipeline
+    can post sends and wait for them later.
+    """
+
+    def __init__(self, spec: GroupSpec, rank: int, backend: dist.ProcessGroup, build_s: float):
+        self.spec = spec
+        self.rank = rank
+        self.size = len(spec.members)
+        self.backend = backend
+        self.build_s = build_s
+        #: Unique per process for the life of the process (unlike id()), so a snapshot
+        #: can prove that a group object was not replaced.
+        self.incarnation = next(_incarnations)
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        """In-place sum over the group."""
+        if self.size > 1:
+            self.backend.allreduce([tensor]).wait()
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:
+        return self.backend.send([tensor], peer, tag)
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        self.backend.recv([tensor], peer, tag).wait()
+
+    def barrier(self) -> None:
+        self.backend.barrier().wait()
+
+    def shutdown(self) -> None:
+        """Releases the backend. Explicit, because a gloo group still alive at interpreter
+        exit sometimes aborts the process."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self.backend.shutdown()
+            except RuntimeError:
+                pass  # already broken; nothing left to release
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "generation": self.generation,
+            "incarnation": self.incarnation,
+            "rank": self.rank,
+            "size": self.size,
+        }
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    """cuda:<local_rank> (NCCL groups) when asked or available, else cpu (gloo groups)."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def _make_backend(
+    store: dist.Store, rank: int, size: int, timeout: timedelta, device: torch.device
+) -> dist.ProcessGroup:
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def build_group(
+    spec: GroupSpec,
+    me: RankRef,
+    store: dist.Store,
+    job: str,
+    device: torch.device,
+    timeout_s: float,
+) -> Group:
+    """Claims my slot of `spec` in the store, then joins the group (blocks until all
+    members arrived). Safe to call from a background thread: the backend constructor
+    releases the GIL, so training on the main thread keeps going."""
+    rank = spec.group_rank(me)
+    if rank is None:
+        raise ValueError(f"{me} is not a member of {spec.name}")
+    prefixed = dist.PrefixStore(spec.store_prefix(job), store)
+    owner = prefixed.compare_set(f"claim/{rank}", "", str(me)).decode()
+    if owner != str(me):
+        raise StaleMemberError(
+            f"{spec.name} g{spec.generation} rank {rank} belongs to {owner}, not {me}"
+        )
+    started = time.perf_counter()
+    backend = _make_backend(prefixed, rank, len(spec.members), timedelta(seconds=timeout_s), device)
+    return Group(spec, rank, backend, time.perf_counter() - started)
+
+
+class GroupTable:
+    """A rank's current groups, by kind. The model looks groups up here at call time, so
+    a swap at a step boundary is seen by the next step."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, Group] = {}
+
+    def __getitem__(self, kind: str) -> Group:
+        return self._groups[kind]
+
+    def get(self, kind: str) -> Group | None:
+        return self._groups.get(kind)
+
+    def install(self, groups: list[Group]) -> list[Group]:
+        """Puts `groups` in place (by kind) and returns the entries they replaced, which
+        the caller shuts down. Kinds not in `groups` keep their objects untouched."""
+        replaced = []
+        for group in groups:
+            old = self._groups.get(group.spec.kind)
+            if old is not None and old.generation >= group.generation:
+                raise StaleMemberError(
+                    f"{group.name}: generation {group.generation} is not newer than "
+                    f"{old.generation}"
+                )
+            if old is not None:
+                replaced.append(old)
+            self._groups[group.spec.kind] = group
+        return replaced
+
+    def shutdown(self) -> None:
+        for group in self._groups.values():
+            group.shutdown()
+        self._groups.clear()
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """kind -> name, generation, incarnation: what tests compare across a migration."""
+        return {kind: g.describe() for kind, g in sorted(self._groups.items())}
+
+
+@dataclass
+class GroupBuilder:
+    """Builds a list of groups in a background thread (phase 1 of the switch).
+
+    The specs are built in the order given, which callers take from
+    `Plan.specs_for` (a global order, so no two ranks wait on each other)."""
+
+    specs: list[GroupSpec]
+    me: RankRef
+    store: dist.Store
+    job: str
+    device: torch.device
+    timeout_s: float
+    built: list[Group] = field(default_factory=list)
+    error: BaseException | None = None
+    started: float = 0.0
+    elapsed_s: float = 0.0
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, name: str = "group-builder") -> GroupBuilder:
+        self.started = time.perf_counter()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            for spec in self.specs:
+                self.built.append(
+                    build_group(spec, self.me, self.store, self.job, self.device, self.timeout_s)
+                )
+        except BaseException as exc:  # reported to the caller, never swallowed
+            self.error = exc
+        finally:
+            self.elapsed_s = time.perf_counter() - self.started
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float) -> list[Group]:
+        """The built groups; raises the build error, or TimeoutError."""
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"groups {[s.name for s in self.specs]} not built in {timeout_s}s")
+        if self.error is not None:
+            raise self.error
+        return self.built

@@ -1,0 +1,180 @@
+"""A role's full training state: capture, restore, and peer transfer over a group.
+
+The state is everything a joiner needs to continue exactly where the leaver stopped:
+parameters, optimizer state, the step counter, each stateful helper's state (the data
+position) and every RNG state (torch's global one and the generators registered here).
+It travels as one JSON header plus one flat byte buffer, so a transfer is three messages
+whatever the model size, and the receiver checks names, shapes and dtypes against its own
+model before copying anything.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from trainmover.runtime.groups import Group
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TransferStats:
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class TrainingState:
+    """What a rank tracks for transfer; the integration surface of a user's loop."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    #: Objects with state_dict/load_state_dict whose state is JSON (e.g. the data reader).
+    stateful: dict[str, Stateful] = field(default_factory=dict)
+    #: Extra RNGs besides torch's global one (e.g. a dropout generator).
+    generators: dict[str, torch.Generator] = field(default_factory=dict)
+    #: Last completed step.
+    step: int = 0
+
+    # -- capture / restore -------------------------------------------------------------
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the state by a stable name (parameters, optimizer, RNG)."""
+        tensors = {f"model.{n}": p.detach() for n, p in self.model.state_dict().items()}
+        opt = self.optimizer.state_dict()
+        for idx, entry in sorted(opt["state"].items()):
+            for key, value in sorted(entry.items()):
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim.{idx}.{key}"] = value
+        tensors["rng.torch"] = torch.get_rng_state()
+        for name, gen in sorted(self.generators.items()):
+            tensors[f"rng.{name}"] = gen.get_state()
+        return tensors
+
+    def header(self) -> dict[str, Any]:
+        """The non-tensor part of the state."""
+        opt = self.optimizer.state_dict()
+        return {
+            "step": self.step,
+            "stateful": {n: s.state_dict() for n, s in sorted(self.stateful.items())},
+            "param_groups": opt["param_groups"],
+            "optim_scalars": {
+                str(idx): {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
+                for idx, entry in opt["state"].items()
+            },
+        }
+
+    def restore(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrites this rank's state with a captured one."""
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, value in own.items():
+                value.copy_(tensors[f"model.{name}"])
+        state: dict[int, dict[str, Any]] = {}
+        for name, value in tensors.items():
+            if name.startswith("optim."):
+                _, idx, key = name.split(".", 2)
+                state.setdefault(int(idx), {})[key] = value
+        for idx, scalars in header["optim_scalars"].items():
+            state.setdefault(int(idx), {}).update(scalars)
+        self.optimizer.load_state_dict({"state": state, "param_groups": header["param_groups"]})
+        torch.set_rng_state(tensors["rng.torch"].cpu())
+        for name, gen in self.generators.items():
+            gen.set_state(tensors[f"rng.{name}"].cpu())
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(header["stateful"][name])
+        self.step = int(header["step"])
+
+    # -- peer transfer -----------------------------------------------------------------
+
+    def send(self, group: Group, peer: int) -> TransferStats:
+        """Sends the whole state to `peer` (the joiner's rank in a transfer pair)."""
+        started = time.perf_counter()
+        tensors = self.named_tensors()
+        meta = {
+            "header": self.header(),
+            "tensors": [
+                [n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in tensors.items()
+            ],
+        }
+        device = _device_of(self.model)
+        meta_bytes = _bytes_tensor(json.dumps(meta).encode(), device)
+        payload = torch.cat([_as_bytes(t).to(device) for t in tensors.values()])
+        sizes = torch.tensor(
+            [meta_bytes.numel(), payload.numel()], dtype=torch.int64, device=device
+        )
+        for tag, tensor in enumerate((sizes, meta_bytes, payload)):
+            group.send(tensor, peer, tag=tag).wait()
+        return TransferStats(bytes=int(payload.numel()), seconds=time.perf_counter() - started)
+
+    def receive(self, group: Group, peer: int) -> TransferStats:
+        """Receives a state sent by `send` from `peer` and restores it."""
+        started = time.perf_counter()
+        device = _device_of(self.model)
+        sizes = torch.empty(2, dtype=torch.int64, device=device)
+        group.recv(sizes, peer, tag=0)
+        meta_bytes = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
+        group.recv(meta_bytes, peer, tag=1)
+        payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
+        group.recv(payload, peer, tag=2)
+        meta = json.loads(bytes(meta_bytes.cpu().numpy()).decode())
+        tensors = _unpack(payload, meta["tensors"])
+        _check_matches(tensors, self.named_tensors())
+        self.restore(meta["header"], tensors)
+        return TransferStats(bytes=int(payload.numel()), seconds=time.perf_counter() - started)
+
+    # -- files -------------------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """Writes the state (for comparisons between runs), atomically."""
+        tmp = path.with_suffix(".tmp")
+        torch.save({"header": self.header(), "tensors": self.named_tensors()}, tmp)
+        tmp.replace(path)
+
+
+def load_saved(path: Path) -> dict[str, Any]:
+    """A saved state: {"header": ..., "tensors": {name: tensor}}."""
+    return torch.load(path, weights_only=False)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _unpack(payload: torch.Tensor, manifest: list[list[Any]]) -> dict[str, torch.Tensor]:
+    tensors, offset = {}, 0
+    for name, shape, dtype_name in manifest:
+        dtype = getattr(torch, dtype_name)
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        chunk = payload[offset : offset + nbytes].clone()
+        tensors[name] = chunk.view(dtype).reshape(shape)
+        offset += nbytes
+    return tensors
+
+
+def _check_matches(received: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
+    """The joiner must have built the same role: same parameter names and shapes. (Its
+    optimizer may not have state yet, so only the model part must match exactly.)"""
+    for name, t in own.items():
+        if name.startswith("model.") and (name not in received or received[name].shape != t.shape):
+            raise ValueError(f"state mismatch at {name}: the joiner built a different role")
