@@ -137,7 +137,11 @@ async def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with Stack(
-        nats_url=args.nats_url, store_dir=args.store_dir, job_config=args.job_config
+        nats_url=args.nats_url,
+        store_dir=args.store_dir,
+        job_config=args.job_config,
+        run_dir=args.run_dir,
+        fixed_ports=True,
     ) as stack:
         print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
         print(
@@ -202,7 +206,8 @@ def _parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("up", help="start the embedded stack (NATS, services, local cluster)")
     u.add_argument("--store-dir", help="JetStream state directory (default: temporary)")
-    u.add_argument("--job-config", help="job config file for the local cluster")
+    u.add_argument("--job-config", help="job config file: starts its local cluster too")
+    u.add_argument("--run-dir", help="where machines keep worker logs (default: temporary)")
 
     sv = sub.add_parser("service", help="run one service in the foreground")
     sv.add_argument("name", choices=SERVICES)

@@ -213,6 +213,7 @@ CommandOp = Literal[
     "launch",
     "shutdown",
     "status",
+    "steps",
 ]
 
 

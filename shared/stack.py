@@ -1,9 +1,11 @@
-"""The embedded stack behind `trainmover up`: the bus, then every service, supervised.
+"""The embedded stack behind `trainmover up`: bus, services and a local cluster, supervised.
 
-Uses an existing NATS when given a URL, else starts the embedded nats-server. Each
-service runs as its own process (`trainmover service NAME`), so they only ever talk over
-the bus; a service that dies is restarted (each one resumes from the bus's durable
-state). Services that this build does not have yet are left out.
+- the bus: an existing NATS when given a URL, else the embedded nats-server;
+- the services (planner, executor, health-monitor), each its own process, so they only
+  ever talk over the bus; one that dies is restarted (each resumes from durable state);
+- with a job config, the local cluster: the rendezvous store (hosted here, never on a
+  training machine) and one sidecar process per machine and standby, each in its own
+  process group so that `kill_machine` takes a whole machine down like a power cut.
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ import asyncio
 import contextlib
 import importlib
 import os
+import signal
 import sys
+import tempfile
 from pathlib import Path
 from types import TracebackType
 
 from trainmover.logs import get_logger
 from trainmover.natsserver import EmbeddedNats, resolve_url
+from trainmover.ports import DEFAULT_HTTP_PORTS
+from trainmover.runtime.config import JobConfig, load_config
 
 log = get_logger("stack")
 
@@ -36,7 +42,10 @@ def available_services() -> list[str]:
 
 
 class Stack:
-    """Bus plus services as child processes; an async context manager."""
+    """Bus, services and (with a job config) the local cluster; an async context manager.
+
+    `service_args` adds flags per service name ("sidecar" for every sidecar).
+    """
 
     def __init__(
         self,
@@ -44,18 +53,28 @@ class Stack:
         store_dir: str | None = None,
         job_config: str | None = None,
         services: list[str] | None = None,
+        run_dir: str | Path | None = None,
+        service_args: dict[str, list[str]] | None = None,
+        fixed_ports: bool = False,
     ) -> None:
         self._given_url = resolve_url(nats_url)
         self._store_dir = store_dir
-        self._job_config = job_config
+        self._job_config = str(Path(job_config).resolve()) if job_config else None
+        self.config: JobConfig | None = load_config(job_config) if job_config else None
         self._services = available_services() if services is None else services
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="trainmover-run-"))
+        self._service_args = service_args or {}
+        self._fixed_ports = fixed_ports
         self._nats: EmbeddedNats | None = None
+        self._rendezvous: object | None = None
+        self.rendezvous_address = ""
         self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self.machines: dict[str, asyncio.subprocess.Process] = {}
         self.url = ""
 
     @property
     def running(self) -> list[str]:
-        return list(self._procs)
+        return [*self._procs, *(f"sidecar {m}" for m in self.machines)]
 
     async def __aenter__(self) -> Stack:
         if self._given_url:
@@ -64,24 +83,85 @@ class Stack:
             self._nats = await asyncio.to_thread(EmbeddedNats(self._store_dir).start)
             self.url = self._nats.url
         log.info("bus_ready", url=self.url, embedded=self._nats is not None)
-        for name in self._services:
-            await self._spawn(name)
+        try:
+            for name in self._services:
+                await self._spawn(name)
+            if self.config is not None:
+                await self._start_cluster(self.config)
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
         return self
 
-    def _service_args(self, name: str) -> list[str]:
+    # --- services ------------------------------------------------------------------------
+
+    def _args(self, name: str, *extra: str) -> list[str]:
         args = [sys.executable, "-m", "trainmover.cli", "--nats-url", self.url, "service", name]
         if self._job_config:
-            args += ["--job-config", str(Path(self._job_config).resolve())]
-        return args
+            args += ["--job-config", self._job_config]
+        # Sidecars share a host here, so they always take free ports; the services take
+        # their well-known ones (for a Prometheus scrape) when asked.
+        port = DEFAULT_HTTP_PORTS[name] if self._fixed_ports and name != "sidecar" else 0
+        args += ["--http-port", str(port)]
+        if name == "health-monitor":
+            # Machines starting together on a small host take seconds before their first
+            # heartbeat (each imports torch); do not take that for a failure.
+            args += ["--startup-grace", "60"]
+        return args + list(extra) + self._service_args.get(name, [])
 
-    async def _spawn(self, name: str) -> None:
-        proc = await asyncio.create_subprocess_exec(
-            *self._service_args(name),
+    async def _exec(self, args: list[str], new_group: bool = False) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            *args,
             stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=new_group,
             env={**os.environ, "TRAINMOVER_NATS_URL": self.url},
         )
-        self._procs[name] = proc
-        log.info("service_started", service=name, pid=proc.pid)
+
+    async def _spawn(self, name: str) -> None:
+        self._procs[name] = await self._exec(self._args(name))
+        log.info("service_started", service=name, pid=self._procs[name].pid)
+
+    async def restart_service(self, name: str, kill: bool = True) -> None:
+        """Kills (or stops) one service and starts it again, as a crash and a restart."""
+        proc = self._procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        await proc.wait()
+        await self._spawn(name)
+
+    # --- local cluster ---------------------------------------------------------------------
+
+    async def _start_cluster(self, config: JobConfig) -> None:
+        from trainmover.runtime.launcher import RendezvousHost
+
+        host = await asyncio.to_thread(RendezvousHost)
+        self._rendezvous = host
+        self.rendezvous_address = host.address
+        for machine in [*config.cluster.machines, *config.cluster.standbys]:
+            await self.start_machine(machine)
+
+    async def start_machine(self, machine: str) -> None:
+        """Starts the sidecar of `machine` (which starts its workers)."""
+        args = self._args(
+            "sidecar",
+            "--machine",
+            machine,
+            "--rendezvous",
+            self.rendezvous_address,
+            "--run-dir",
+            str(self.run_dir / machine),
+        )
+        self.machines[machine] = await self._exec(args, new_group=True)
+        log.info("machine_started", machine=machine, pid=self.machines[machine].pid)
+
+    def kill_machine(self, machine: str) -> None:
+        """SIGKILLs the machine's sidecar and every worker process on it at once."""
+        proc = self.machines[machine]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.info("machine_killed", machine=machine)
+
+    # --- supervision -------------------------------------------------------------------------
 
     async def wait(self, stop: asyncio.Event) -> None:
         """Runs until `stop` is set, restarting any service that exits on its own."""
@@ -102,16 +182,21 @@ class Stack:
     async def __aexit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for name, proc in reversed(list(self._procs.items())):
+        # Machines first (their workers must not outlive the bus), then the services.
+        for name, proc in [*self.machines.items(), *reversed(list(self._procs.items()))]:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.terminate()
             try:
-                await asyncio.wait_for(proc.wait(), 10)
+                await asyncio.wait_for(proc.wait(), 20)
             except TimeoutError:
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL) if name in self.machines else proc.kill()
                 await proc.wait()
-            log.info("service_stopped", service=name)
+            log.info("process_stopped", name=name)
+        self.machines.clear()
         self._procs.clear()
+        if self._rendezvous is not None:
+            self._rendezvous.close()  # type: ignore[attr-defined]
         if self._nats is not None:
             await asyncio.to_thread(self._nats.cleanup)

@@ -13,6 +13,8 @@ jobs and a producer in another language can find the layout in one place
     tm.<job>.collerr.<machine>     a stayer's collective error naming a peer (plain NATS)
     tm.<job>.cmd.<machine>         commands to a sidecar (request/reply)
     bucket TM_<job>                cluster state (JetStream key-value)
+    bucket TM_<job>_HEALTH         the health-monitor's open incidents
+    bucket TM_<job>_EXEC           the executor's migration records
     bucket TM_<job>_HEALTH         health-monitor's open incidents (JetStream key-value)
 """
 
@@ -121,6 +123,11 @@ class JobSubjects:
     def health_bucket(self) -> str:
         """The health-monitor's private bucket: open incidents, kept across its restarts."""
         return f"TM_{self.job}_HEALTH"
+
+    @property
+    def executor_bucket(self) -> str:
+        """The executor's private bucket: one record per migration, for its restarts."""
+        return f"TM_{self.job}_EXEC"
 
 
 # Keys of the cluster-state bucket.

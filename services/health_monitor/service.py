@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 
 from trainmover import bus
+from trainmover.httpserver import HttpServer, Request, Response
 from trainmover.logs import get_logger
 from trainmover.messages import (
     ClusterState,
@@ -37,7 +38,6 @@ from trainmover.services.health_monitor.dedup import IncidentTable, SeenWindow, 
 from trainmover.services.health_monitor.emitter import Emitter
 from trainmover.services.health_monitor.events import event_id
 from trainmover.services.health_monitor.heartbeats import HeartbeatTracker, Lapse, abnormal_exits
-from trainmover.services.health_monitor.httpserver import HttpServer, Request, Response
 from trainmover.services.health_monitor.metrics import HealthMetrics
 from trainmover.services.health_monitor.roster import Roster, RosterChange
 from trainmover.services.health_monitor.rules import load_rules

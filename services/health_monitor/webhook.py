@@ -20,12 +20,12 @@ from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 
+from trainmover.httpserver import Request, Response
 from trainmover.logs import get_logger
 from trainmover.messages import DrainEvent, FailureEvent
 from trainmover.services.health_monitor.alertmanager import Alert, PayloadError, parse_payload
 from trainmover.services.health_monitor.emitter import Emitter
 from trainmover.services.health_monitor.events import event_id
-from trainmover.services.health_monitor.httpserver import Request, Response
 from trainmover.services.health_monitor.metrics import HealthMetrics
 from trainmover.services.health_monitor.roster import Roster
 from trainmover.services.health_monitor.rules import RuleSet, Unmapped

@@ -13,6 +13,7 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from trainmover.runtime.layout import Layout
 
 
@@ -58,6 +59,20 @@ class RuntimeConfig(BaseModel):
     threads: int = Field(default=1, ge=1)
 
 
+class ClusterConfig(BaseModel):
+    """The machines of a job: names of the active ones (in layout order) and standbys."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: Active machines, one per (dp, pp) cell in `Layout.cells()` order; empty means
+    #: m0, m1, ... .
+    machines: list[str] = Field(default_factory=list)
+    standbys: list[str] = Field(default_factory=lambda: ["s0"])
+    #: Local cluster only: how long a drained machine stays in maintenance before its
+    #: sidecar brings it back as a standby.
+    maintenance_s: float = Field(default=5.0, ge=0)
+
+
 class JobConfig(BaseModel):
     """A whole job, as read from its config file."""
 
@@ -68,6 +83,22 @@ class JobConfig(BaseModel):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _name_machines(self) -> JobConfig:
+        names = self.cluster.machines or [f"m{i}" for i in range(self.layout.machines)]
+        if len(names) != self.layout.machines:
+            raise ValueError(
+                f"cluster.machines names {len(names)} machines; the layout has "
+                f"{self.layout.machines} (pp x dp)"
+            )
+        if len(set(names) | set(self.cluster.standbys)) != len(names) + len(self.cluster.standbys):
+            raise ValueError("machine and standby names must be unique")
+        if not self.cluster.machines:
+            cluster = self.cluster.model_copy(update={"machines": names})
+            object.__setattr__(self, "cluster", cluster)  # frozen model: fill the default once
+        return self
 
     @model_validator(mode="after")
     def _check_divisibility(self) -> JobConfig:

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel
+
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan
 

@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 from trainmover.runtime.plan import GroupSpec, RankRef
 
 _incarnations = itertools.count(1)

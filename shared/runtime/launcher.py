@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+
 from trainmover.runtime import control as c
 from trainmover.runtime import worker as w
 from trainmover.runtime.plan import RankRef

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from trainmover.runtime.config import ModelConfig
 from trainmover.runtime.groups import Group
 from trainmover.runtime.layout import Layout, Role

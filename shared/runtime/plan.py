@@ -13,6 +13,7 @@ rank ever builds comes from the supervisor/planner, never from the rank's own gu
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from trainmover.runtime.layout import GroupKind, Layout, MachineRole, Role
 
 PLAN_SCHEMA_VERSION = 1

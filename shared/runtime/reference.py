@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import torch
+
 from trainmover.runtime.data import TokenStream
 from trainmover.runtime.model import StageModel
 from trainmover.runtime.train_step import train_step

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
 from trainmover.runtime.groups import Group
 
 

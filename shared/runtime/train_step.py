@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from trainmover.runtime.groups import Group, GroupTable
 from trainmover.runtime.model import StageModel
 

@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
 from trainmover.runtime import control as c
 from trainmover.runtime import logs
 from trainmover.runtime.config import JobConfig, load_config

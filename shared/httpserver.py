@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from trainmover.logs import get_logger
+from trainmover.metrics import CONTENT_TYPE, Registry
 
-log = get_logger("health-monitor")
+log = get_logger("http")
 
 MAX_HEADER_BYTES = 64 * 1024
 
@@ -168,3 +169,24 @@ class HttpServer:
         ]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body)
         await writer.drain()
+
+
+async def serve_observability(
+    registry: Registry, health: Callable[[], dict[str, object]], host: str, port: int
+) -> HttpServer:
+    """Starts /metrics (Prometheus text) and /healthz for a service; returns the server.
+
+    `health()` returns the service's health document; /healthz answers 200 when its
+    "status" is "ok" and 503 otherwise, so probes restart a service that never gets ready.
+    """
+
+    async def metrics(_request: Request) -> Response:
+        return Response(200, registry.render().encode(), CONTENT_TYPE)
+
+    async def healthz(_request: Request) -> Response:
+        body = health()
+        return Response.json(200 if body.get("status") == "ok" else 503, body)
+
+    server = HttpServer({("GET", "/metrics"): metrics, ("GET", "/healthz"): healthz})
+    await server.start(host, port)
+    return server

@@ -1,0 +1,247 @@
+"""One migration as an explicit state machine of idempotent commands to the sidecars.
+
+    planned:  phase1 -> committing -> transferring -> releasing -> done
+
+- phase1: `prepare` to the joiner and every stayer of the delta (and the leaver, which
+  builds its transfer pair); each replies once its ranks built their new groups while
+  training went on.
+- committing: the switch step k is picked ahead of the furthest rank (`margin` steps),
+  *recorded*, then sent as `commit(k)` to the same machines.
+- transferring: `transfer` waits until every affected rank switched at the boundary
+  after k (the leaver sent its state one-to-one to the joiner and exited).
+- releasing: the leaver's sidecar takes the machine into maintenance.
+
+Every state is stored before its commands go out, and every command id is derived from
+(plan, op, machine), so an executor restarted at any point re-sends the same commands
+and the sidecars answer a command they already ran from their memory of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from nats.aio.client import Client as NatsClient
+from pydantic import ConfigDict, Field
+
+from trainmover import bus
+from trainmover.logs import get_logger
+from trainmover.messages import Command, CommandOp, Message, MigrationProgress, Plan
+
+log = get_logger("executor")
+
+Step = Literal["phase1", "committing", "transferring", "releasing", "done", "failed"]
+ORDER: tuple[Step, ...] = ("phase1", "committing", "transferring", "releasing", "done")
+
+
+class MigrationRecord(Message):
+    """The executor's durable memory of one migration (key migration.<plan_id>)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=False)
+
+    plan: Plan
+    step: Step = "phase1"
+    commit_step: int | None = None
+    started_ts: float = Field(default_factory=time.time)
+    phases: dict[str, float] = Field(default_factory=dict)
+    results: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    error: str | None = None
+
+
+class MigrationFailed(RuntimeError):
+    pass
+
+
+def downtime(before_end: float, after_end: float, median_step_s: float) -> float:
+    """DESIGN.md: from the end of the last step completed before the migration to the end
+    of the first step completed after it, minus one normal step."""
+    return max(0.0, after_end - before_end - median_step_s)
+
+
+Publish = Callable[[MigrationProgress], Awaitable[None]]
+Save = Callable[[MigrationRecord], Awaitable[None]]
+
+
+class Migration:
+    """Runs (or resumes) one plan from its record."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        record: MigrationRecord,
+        save: Save,
+        publish: Publish,
+        *,
+        margin: int = 2,
+        timeout_s: float = 120.0,
+        attempt_s: float = 30.0,
+    ) -> None:
+        self._nc = nc
+        self.record = record
+        self._save = save
+        self._publish = publish
+        self.margin = margin
+        self.timeout_s = timeout_s
+        self.attempt_s = attempt_s
+
+    @property
+    def plan(self) -> Plan:
+        return self.record.plan
+
+    @property
+    def leaver(self) -> str:
+        return self.plan.moves[0].leaver
+
+    @property
+    def joiner(self) -> str:
+        return self.plan.moves[0].joiner
+
+    def affected(self) -> list[str]:
+        return sorted(self.plan.affected_machines())
+
+    async def run(self) -> MigrationRecord:
+        """Drives the record to done (or failed); returns the final record."""
+        if self.plan.migration != "planned":
+            return await self._fail(
+                f"{self.plan.migration} migrations are not supported by this executor yet"
+            )
+        try:
+            while self.record.step not in ("done", "failed"):
+                await self._advance()
+        except Exception as err:
+            return await self._fail(f"{self.record.step}: {type(err).__name__}: {err}")
+        return self.record
+
+    async def _advance(self) -> None:
+        step = self.record.step
+        t0 = time.time()
+        if step == "phase1":
+            await self._progress("phase1", "building the delta groups in the background")
+            results = await self._all("prepare", self.affected())
+            self.record.results["prepare"] = results
+            self._phase("prepare", t0)
+            await self._enter("committing")
+        elif step == "committing":
+            if self.record.commit_step is None:
+                statuses = await self._all("status", self.affected(), plan=False)
+                furthest = max(int(r["step"]) for r in statuses.values())
+                self.record.commit_step = furthest + self.margin
+                await self._save(self.record)  # k is decided once, even across a restart
+            await self._progress("committing", f"switch after step {self.record.commit_step}")
+            await self._all("commit", self.affected(), step=self.record.commit_step)
+            self._phase("commit", t0)
+            await self._enter("transferring")
+        elif step == "transferring":
+            await self._progress("transferring", "state from the leaver to the joiner")
+            results = await self._all("transfer", self.affected())
+            self.record.results["transfer"] = results
+            self._phase("switch", t0)
+            await self._measure()
+            await self._enter("releasing")
+        elif step == "releasing":
+            await self._progress("releasing", f"{self.leaver} goes to maintenance")
+            await self._all("release", list(self.plan.leavers()))
+            self._phase("release", t0)
+            await self._enter("done")
+            await self._progress("done", self._summary(), final=True)
+
+    async def _measure(self) -> None:
+        """Downtime from the step timelines of the ranks around the switch step."""
+        k = self.record.commit_step
+        assert k is not None
+        stayers = sorted(self.plan.stayers())
+        after_machines = [*stayers, *sorted(self.plan.joiners())]
+        before = await self._all("steps", stayers, plan=False, step=k)
+        after = await self._all("steps", after_machines, plan=False, step=k + 1)
+        before_end = max(float(r["t_end"]) for r in before.values())
+        after_end = max(float(r["t_end"]) for r in after.values())
+        median = statistics.median(float(r["median_step_s"]) for r in before.values())
+        self.record.results["timeline"] = {
+            "before_end": before_end,
+            "after_end": after_end,
+            "median_step_s": median,
+        }
+        self.record.phases["downtime"] = downtime(before_end, after_end, median)
+        transfers = self.record.results.get("transfer", {})
+        joiner = transfers.get(self.joiner, {})
+        if joiner:
+            self.record.phases["first_step"] = max(0.0, after_end - float(joiner["t_end"]))
+        leaver = transfers.get(self.leaver, {})
+        if leaver:
+            self.record.phases["transfer"] = float(leaver.get("transfer_s", 0.0))
+
+    def _summary(self) -> str:
+        rebuilt = len(self.plan.groups)
+        return (
+            f"{self.leaver} -> {self.joiner} at step {self.record.commit_step}; "
+            f"rebuilt {rebuilt} groups"
+        )
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    async def _all(
+        self, op: CommandOp, machines: list[str], plan: bool = True, **args: Any
+    ) -> dict[str, dict[str, Any]]:
+        """Sends `op` to every machine at once; all must succeed."""
+
+        async def one(machine: str) -> dict[str, Any]:
+            payload: dict[str, Any] = {**args, "timeout_s": self.timeout_s}
+            if plan:
+                payload["plan"] = self.plan.model_dump_json()
+            suffix = f".{args['step']}" if "step" in args else ""
+            command = Command(
+                command_id=f"{self.plan.plan_id}.{op}.{machine}{suffix}",
+                job=self.plan.job,
+                machine=machine,
+                op=op,
+                plan_id=self.plan.plan_id,
+                args=payload,
+            )
+            retries = max(1, int(self.timeout_s // self.attempt_s) + 1)
+            reply = await bus.request(self._nc, command, timeout=self.attempt_s, retries=retries)
+            if not reply.ok:
+                raise MigrationFailed(f"{op} on {machine}: {reply.error}")
+            return reply.result
+
+        results = await asyncio.gather(*(one(m) for m in machines))
+        return dict(zip(machines, results, strict=True))
+
+    def _phase(self, name: str, t0: float) -> None:
+        self.record.phases[name] = time.time() - t0
+
+    async def _enter(self, step: Step) -> None:
+        self.record.step = step
+        await self._save(self.record)
+
+    async def _progress(self, state: str, detail: str, final: bool = False) -> None:
+        await self._publish(
+            MigrationProgress(
+                job=self.plan.job,
+                event_id=self.plan.event_id,
+                plan_id=self.plan.plan_id,
+                state=state,
+                detail=detail,
+                leaver=self.leaver,
+                joiner=self.joiner,  # type: ignore[arg-type]
+                downtime_s=self.record.phases.get("downtime") if final else None,
+                phases=dict(self.record.phases) if final else {},
+            )
+        )
+
+    async def _fail(self, error: str) -> MigrationRecord:
+        log.error(
+            "migration_failed",
+            job=self.plan.job,
+            plan_id=self.plan.plan_id,
+            event_id=self.plan.event_id,
+            step=self.record.step,
+            error=error,
+        )
+        self.record.step = "failed"
+        self.record.error = error
+        await self._save(self.record)
+        await self._progress("failed", error, final=True)
+        return self.record

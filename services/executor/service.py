@@ -1,0 +1,212 @@
+"""The executor service: takes plans off the bus and runs each as a `Migration`.
+
+Plans come from a durable JetStream consumer and are acked once their record is stored
+in the executor's bucket; from then on the record, not the stream, is the truth. A
+restarted executor resumes every unfinished record where it stopped. A plan that the
+planner withdrew (no longer in the cluster state's in-flight set) is not started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from trainmover import bus
+from trainmover.logs import get_logger
+from trainmover.messages import MessageError, MigrationProgress, Plan, decode
+from trainmover.metrics import Registry
+from trainmover.services.executor.migration import Migration, MigrationRecord
+from trainmover.subjects import JobSubjects
+
+log = get_logger("executor")
+
+DOWNTIME_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class ExecutorService:
+    """One job's executor."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        job: str,
+        *,
+        margin: int = 2,
+        timeout_s: float = 120.0,
+        metrics: Registry | None = None,
+    ) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self.job = job
+        self._subjects = JobSubjects(job)
+        self.margin = margin
+        self.timeout_s = timeout_s
+        self._kv: KeyValue | None = None
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.metrics = metrics or Registry()
+        self._m_migrations = self.metrics.counter(
+            "trainmover_migrations_total",
+            "Migrations ended, by kind and outcome",
+            ["kind", "outcome"],
+        )
+        self._m_downtime = self.metrics.histogram(
+            "trainmover_migration_downtime_seconds",
+            "Downtime of completed migrations",
+            buckets=DOWNTIME_BUCKETS,
+        )
+        self._m_phase = self.metrics.gauge(
+            "trainmover_migration_phase_seconds", "Phase durations of the last migration", ["phase"]
+        )
+
+    def health(self) -> dict[str, object]:
+        connected = self._nc.is_connected
+        return {
+            "status": "ok" if connected and self._kv is not None else "starting",
+            "job": self.job,
+            "bus_connected": connected,
+            "running": sorted(self._running),
+        }
+
+    @property
+    def running(self) -> set[str]:
+        return set(self._running)
+
+    async def start(self) -> None:
+        await bus.ensure_job(self._js, self.job)
+        self._kv = await self._bucket()
+        await self._resume()
+        sub = await self._js.pull_subscribe(
+            self._subjects.plans,
+            durable="executor",
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30
+            ),
+        )
+        self._tasks.append(asyncio.create_task(self._pump(sub)))
+        log.info("executor_started", job=self.job, resumed=sorted(self._running))
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._running.values()]:
+            task.cancel()
+        for task in [*self._tasks, *self._running.values()]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _bucket(self) -> KeyValue:
+        name = self._subjects.executor_bucket
+        try:
+            return await self._js.key_value(name)
+        except BucketNotFoundError:
+            return await self._js.create_key_value(bucket=name, history=4, storage=StorageType.FILE)
+
+    async def _resume(self) -> None:
+        assert self._kv is not None
+        try:
+            keys = await self._kv.keys()
+        except Exception:  # nats-py raises NoKeysError for an empty bucket
+            keys = []
+        for key in keys:
+            entry = await self._kv.get(key)
+            if not entry.value:
+                continue
+            record = decode(MigrationRecord, entry.value)
+            if record.step not in ("done", "failed"):
+                log.info(
+                    "migration_resumed", job=self.job, plan_id=record.plan.plan_id, step=record.step
+                )
+                self._launch(record)
+
+    async def _pump(self, sub: object) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(8, timeout=1.0)  # type: ignore[attr-defined]
+            except TimeoutError:
+                continue
+            except Exception as err:
+                log.warning("fetch_failed", job=self.job, error=str(err))
+                await asyncio.sleep(0.2)
+                continue
+            for msg in msgs:
+                await self._on_plan(msg)
+
+    async def _on_plan(self, msg: Msg) -> None:
+        assert self._kv is not None
+        try:
+            plan = decode(Plan, msg.data)
+        except MessageError as err:
+            await bus.dead_letter(self._js, self.job, msg.subject, msg.data, str(err), "executor")
+            await msg.ack()
+            return
+        key = f"migration.{plan.plan_id}"
+        try:
+            await self._kv.get(key)
+            await msg.ack()  # a redelivered plan: its record already exists
+            return
+        except KeyNotFoundError:
+            pass
+        record = MigrationRecord(plan=plan)
+        await self._kv.put(key, record.to_json())
+        await msg.ack()
+        log.info(
+            "plan_accepted",
+            job=self.job,
+            plan_id=plan.plan_id,
+            event_id=plan.event_id,
+            migration=plan.migration,
+            moves=[(m.leaver, m.joiner) for m in plan.moves],
+        )
+        self._launch(record)
+
+    def _launch(self, record: MigrationRecord) -> None:
+        plan_id = record.plan.plan_id
+        if plan_id in self._running:
+            return
+        task = asyncio.create_task(self._run(record))
+        self._running[plan_id] = task
+        task.add_done_callback(lambda _t: self._running.pop(plan_id, None))
+
+    async def _run(self, record: MigrationRecord) -> None:
+        migration = Migration(
+            self._nc,
+            record,
+            self._save,
+            self._publish,
+            margin=self.margin,
+            timeout_s=self.timeout_s,
+        )
+        final = await migration.run()
+        outcome = "done" if final.step == "done" else "failed"
+        self._m_migrations.inc(kind=final.plan.migration, outcome=outcome)
+        if outcome == "done":
+            self._m_downtime.observe(final.phases.get("downtime", 0.0))
+            for phase, seconds in final.phases.items():
+                self._m_phase.set(seconds, phase=phase)
+
+    async def _save(self, record: MigrationRecord) -> None:
+        assert self._kv is not None
+        await self._kv.put(f"migration.{record.plan.plan_id}", record.to_json())
+
+    async def _publish(self, progress: MigrationProgress) -> None:
+        payload = progress.to_json()
+        # Same state of the same plan -> same id: a resumed executor's repeat is dropped.
+        msg_id = hashlib.sha256(f"{progress.plan_id}.{progress.state}".encode()).hexdigest()[:32]
+        await self._js.publish(
+            self._subjects.progress, payload, headers={"Nats-Msg-Id": msg_id}, timeout=5
+        )
+        log.info(
+            "progress",
+            job=self.job,
+            plan_id=progress.plan_id,
+            event_id=progress.event_id,
+            state=progress.state,
+            detail=progress.detail,
+            downtime_s=progress.downtime_s,
+        )

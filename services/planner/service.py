@@ -1,0 +1,342 @@
+"""The planner service: feeds events, progress and heartbeats to the decisions, durably.
+
+Cluster state lives in the job's key-value bucket. Every decision is written there
+*together with what it must publish* (an outbox) before anything is published; the outbox
+is emptied after the publishes are acked. A planner killed at any point therefore
+resumes from the bucket, republishes what it had decided (JetStream's duplicate window
+drops the copies), and never decides the same event twice: event ids are remembered in
+the state, and events are acked only after their decision is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import statistics
+import time
+from collections import defaultdict, deque
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from trainmover import bus
+from trainmover.logs import get_logger
+from trainmover.messages import (
+    ClusterState,
+    Heartbeat,
+    MachineState,
+    MessageError,
+    MigrationProgress,
+    OutboxEntry,
+    RebalanceEvent,
+    StepStats,
+    decode,
+    decode_event,
+)
+from trainmover.metrics import Registry
+from trainmover.runtime.config import JobConfig
+from trainmover.services.planner.decisions import Outcome, Planner
+from trainmover.subjects import STATE_KEY, JobSubjects
+
+log = get_logger("planner")
+
+
+def initial_state(config: JobConfig) -> ClusterState:
+    """A job's first state: its machines active in layout order; standbys join on warm-up."""
+    machines = {
+        name: MachineState(status="active", cell=cell)
+        for name, cell in zip(config.cluster.machines, config.layout.cells(), strict=True)
+    }
+    return ClusterState(job=config.job, layout=config.layout, machines=machines)
+
+
+class PlannerService:
+    """One job's planner: consumers, state store, outbox, rebalance policy."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        config: JobConfig,
+        planner: Planner | None = None,
+        rebalance_interval_s: float | None = None,
+        metrics: Registry | None = None,
+    ) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._config = config
+        self._job = config.job
+        self._subjects = JobSubjects(config.job)
+        self._planner = planner or Planner()
+        self._rebalance_interval_s = rebalance_interval_s
+        self._kv: KeyValue | None = None
+        self._state: ClusterState | None = None
+        self._revision = 0
+        self._lock = asyncio.Lock()
+        self._compute: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=32))
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subs: list[object] = []
+        self.metrics = metrics or Registry()
+        self._m_decisions = self.metrics.counter(
+            "trainmover_planner_decisions_total", "Inputs decided, by outcome", ["outcome"]
+        )
+        self._m_plans = self.metrics.counter(
+            "trainmover_planner_plans_total", "Plans published, by migration kind", ["kind"]
+        )
+        self._m_latency = self.metrics.histogram(
+            "trainmover_planner_plan_latency_seconds", "Event publish to plan publish"
+        )
+        self._m_pool = self.metrics.gauge(
+            "trainmover_standby_pool_size", "Standby machines warm and free"
+        )
+
+    def health(self) -> dict[str, object]:
+        connected = self._nc.is_connected
+        loaded = self._state is not None
+        return {
+            "status": "ok" if connected and loaded else "starting",
+            "job": self._job,
+            "bus_connected": connected,
+            "revision": self._revision,
+            "in_flight": len(self._state.in_flight) if self._state else 0,
+        }
+
+    @property
+    def state(self) -> ClusterState:
+        assert self._state is not None, "planner not started"
+        return self._state
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._kv = await bus.ensure_job(self._js, self._job)
+        await self._load()
+        await self._flush_outbox()
+        events = await self._js.pull_subscribe(
+            self._subjects.events,
+            durable="planner-events",
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30
+            ),
+        )
+        progress = await self._js.pull_subscribe(
+            self._subjects.progress,
+            durable="planner-progress",
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30
+            ),
+        )
+        self._subs.append(
+            await self._nc.subscribe(self._subjects.heartbeats, cb=self._on_heartbeat)
+        )
+        self._subs.append(await self._nc.subscribe(self._subjects.all_stats, cb=self._on_stats))
+        self._tasks = [
+            asyncio.create_task(self._pump(events, self._on_event)),
+            asyncio.create_task(self._pump(progress, self._on_progress)),
+        ]
+        if self._rebalance_interval_s:
+            self._tasks.append(asyncio.create_task(self._rebalance_policy()))
+        log.info(
+            "planner_started",
+            job=self._job,
+            revision=self._revision,
+            machines=len(self.state.machines),
+            in_flight=len(self.state.in_flight),
+        )
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()  # type: ignore[attr-defined]
+
+    async def _load(self) -> None:
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(STATE_KEY)
+            assert entry.value is not None
+            self._state = decode(ClusterState, entry.value)
+            self._revision = entry.revision or 0
+            log.info("state_resumed", job=self._job, revision=self._revision)
+        except KeyNotFoundError:
+            self._state = initial_state(self._config)
+            self._revision = await self._kv.create(STATE_KEY, self._state.to_json())
+            log.info("state_created", job=self._job, machines=sorted(self._state.machines))
+
+    async def _save(self, state: ClusterState) -> None:
+        """Stores `state` if nobody else wrote since we read it (one planner per job)."""
+        assert self._kv is not None
+        state = state.model_copy(update={"revision": state.revision + 1})
+        try:
+            self._revision = await self._kv.update(STATE_KEY, state.to_json(), last=self._revision)
+        except KeyWrongLastSequenceError:
+            log.error(
+                "state_conflict",
+                job=self._job,
+                reason="another writer changed the cluster state; reloading",
+            )
+            await self._load()
+            raise
+        self._state = state
+        self._m_pool.set(sum(1 for m in state.machines.values() if m.status == "standby"))
+
+    # --- inputs ----------------------------------------------------------------------
+
+    async def _pump(self, sub: object, handle: object) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(16, timeout=1.0)  # type: ignore[attr-defined]
+            except TimeoutError:
+                continue
+            except Exception as err:  # the bus reconnects; keep pulling
+                log.warning("fetch_failed", job=self._job, error=str(err))
+                await asyncio.sleep(0.2)
+                continue
+            for msg in msgs:
+                await handle(msg)  # type: ignore[operator]
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            event = decode_event(msg.data)
+        except MessageError as err:
+            await bus.dead_letter(self._js, self._job, msg.subject, msg.data, str(err), "planner")
+            await msg.ack()
+            return
+        if event.job != self._job:
+            await bus.dead_letter(
+                self._js,
+                self._job,
+                msg.subject,
+                msg.data,
+                f"event for job {event.job!r} on job {self._job!r}",
+                "planner",
+            )
+            await msg.ack()
+            return
+        if isinstance(event, RebalanceEvent) and event.machine is None:
+            slowest = self._slowest()
+            if slowest is not None:
+                event = event.model_copy(update={"machine": slowest})
+        await self._decide(
+            lambda s: self._planner.on_event(s, event, time.time()),
+            event_id=event.event_id,
+            machine=event.machine,
+            kind=event.kind,
+        )
+        self._m_latency.observe(max(0.0, time.time() - event.ts))
+        await msg.ack()
+
+    async def _on_progress(self, msg: Msg) -> None:
+        try:
+            progress = decode(MigrationProgress, msg.data)
+        except MessageError as err:
+            await bus.dead_letter(self._js, self._job, msg.subject, msg.data, str(err), "planner")
+            await msg.ack()
+            return
+        await self._decide(
+            lambda s: self._planner.on_progress(s, progress, time.time()),
+            event_id=progress.event_id,
+            plan_id=progress.plan_id,
+        )
+        await msg.ack()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            beat = decode(Heartbeat, msg.data)
+        except MessageError:
+            return  # the health-monitor dead-letters bad heartbeats; one copy is enough
+        current = self.state.machines.get(beat.machine)
+        if beat.status != "standby" or (
+            current is not None and current.status not in ("standby", "maintenance", "failed")
+        ):
+            return
+        await self._decide(
+            lambda s: self._planner.on_heartbeat(s, beat, time.time()), machine=beat.machine
+        )
+
+    async def _on_stats(self, msg: Msg) -> None:
+        with contextlib.suppress(MessageError):
+            stats = decode(StepStats, msg.data)
+            self._compute[stats.machine].append(stats.compute_s)
+
+    def _slowest(self) -> str | None:
+        active = [n for n, m in self.state.machines.items() if m.status == "active"]
+        timed = [(statistics.median(self._compute[n]), n) for n in active if self._compute[n]]
+        return max(timed)[1] if timed else None
+
+    async def _rebalance_policy(self) -> None:
+        assert self._rebalance_interval_s is not None
+        while True:
+            await asyncio.sleep(self._rebalance_interval_s)
+            slowest = self._slowest()
+            if slowest is None:
+                continue
+            event = RebalanceEvent(
+                job=self._job,
+                machine=slowest,
+                source="policy",
+                reason=f"periodic rebalance every {self._rebalance_interval_s}s",
+            )
+            await bus.publish_durable(
+                self._js, self._subjects.event("rebalance"), event, msg_id=event.event_id
+            )
+
+    # --- deciding and publishing -------------------------------------------------------
+
+    async def _decide(self, rule: object, **context: object) -> None:
+        async with self._lock:
+            before = self.state
+            outcome: Outcome = rule(before)  # type: ignore[operator]
+            if outcome.state == before and not outcome.changed:
+                return
+            outbox = [*before.outbox, *_outbox_entries(outcome)]
+            await self._save(outcome.state.model_copy(update={"outbox": outbox}))
+            for p in outcome.progress:
+                self._m_decisions.inc(outcome=p.state)
+                log.info(
+                    "decision",
+                    job=self._job,
+                    state=p.state,
+                    detail=p.detail,
+                    leaver=p.leaver,
+                    joiner=p.joiner,
+                    **context,
+                )
+            for plan in outcome.plans:
+                self._m_plans.inc(kind=plan.migration)
+            await self._flush_outbox()
+
+    async def _flush_outbox(self) -> None:
+        """Publishes every stored decision output; each has a stable id for dedup."""
+        state = self.state
+        if not state.outbox:
+            return
+        for entry in state.outbox:
+            await self._js.publish(
+                entry.subject,
+                entry.payload.encode(),
+                headers={"Nats-Msg-Id": entry.msg_id},
+                timeout=5,
+            )
+        await self._save(state.model_copy(update={"outbox": []}))
+
+
+def _outbox_entries(outcome: Outcome) -> list[OutboxEntry]:
+    subjects = JobSubjects(outcome.state.job)
+    entries = []
+    for plan in outcome.plans:
+        entries.append(
+            OutboxEntry(subject=subjects.plans, msg_id=plan.plan_id, payload=plan.model_dump_json())
+        )
+    for progress in outcome.progress:
+        payload = progress.model_dump_json()
+        msg_id = hashlib.sha256(payload.encode()).hexdigest()[:32]
+        entries.append(OutboxEntry(subject=subjects.progress, msg_id=msg_id, payload=payload))
+    return entries

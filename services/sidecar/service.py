@@ -1,0 +1,285 @@
+"""The sidecar: one per machine, between the bus and the machine's worker processes.
+
+- launches the workers (with the machine's role from the cluster state, or as standbys);
+- answers the executor's commands (`tm.<job>.cmd.<machine>`, idempotent by command id)
+  by relaying them to the workers over the runtime's control API;
+- publishes a heartbeat every interval (and at once when a worker exits) and the step
+  statistics of its ranks;
+- after its workers left in a migration, keeps the machine in maintenance for the
+  configured time, then relaunches them as a standby, as a drained node returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from nats.aio.client import Client as NatsClient
+from nats.js.errors import KeyNotFoundError
+
+from trainmover import bus
+from trainmover.httpserver import HttpServer, serve_observability
+from trainmover.logs import get_logger
+from trainmover.messages import ClusterState, Command, Heartbeat, Plan, StepStats, decode
+from trainmover.metrics import Registry
+from trainmover.runtime import control as c
+from trainmover.runtime.config import JobConfig
+from trainmover.runtime.plan import RankRef
+from trainmover.services.planner.decisions import role_types
+from trainmover.services.sidecar.workers import MachineWorkers
+from trainmover.subjects import STATE_KEY, JobSubjects
+
+log = get_logger("sidecar")
+
+REFERENCE_ENTRY = "trainmover.runtime.reference"
+
+
+@dataclass
+class SidecarSettings:
+    nats_url: str
+    config: JobConfig
+    machine: str
+    rendezvous: str
+    run_dir: Path | None = None
+    entry: str = REFERENCE_ENTRY
+    heartbeat_interval_s: float = 0.5
+    command_timeout_s: float = 120.0
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+    log_format: str | None = None
+    log_level: str | None = None
+
+
+class Sidecar:
+    """One machine's sidecar; `start()` connects, launches the workers and serves."""
+
+    def __init__(self, settings: SidecarSettings, nc: NatsClient | None = None) -> None:
+        self.s = settings
+        self.job = settings.config.job
+        self.machine = settings.machine
+        self._subjects = JobSubjects(self.job)
+        self._nc = nc
+        self._state: ClusterState | None = None
+        self._status = "standby"
+        self._seq = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._server: bus.CommandServer | None = None
+        self._http: HttpServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._beat_now = asyncio.Event()
+        run_dir = settings.run_dir or Path(tempfile.mkdtemp(prefix=f"tm-{self.machine}-"))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.workers = MachineWorkers(
+            self.machine,
+            settings.config,
+            run_dir,
+            settings.rendezvous,
+            lambda: self._state,
+            settings.entry,
+            settings.command_timeout_s,
+        )
+        self.workers.tracker.listeners.append(self._on_worker_event)
+        self.metrics = Registry()
+        self._m_commands = self.metrics.counter(
+            "trainmover_sidecar_commands_total",
+            "Commands handled, by op and outcome",
+            ["op", "outcome"],
+        )
+        self._m_steps = self.metrics.gauge("trainmover_sidecar_step", "Last step of the machine")
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self._nc is None:
+            self._nc = await bus.connect(self.s.nats_url, f"sidecar-{self.machine}")
+        self._state = await self._wait_for_state()
+        self._tasks.append(asyncio.create_task(self._watch_state()))
+        self._server = bus.CommandServer(self._nc, self.job, self.machine, self._handle)
+        await self._server.start()
+        self._status = "active" if self._assigned() else "standby"
+        self._tasks.append(asyncio.create_task(self._heartbeats()))
+        await asyncio.to_thread(self.workers.launch)
+        self._http = await serve_observability(
+            self.metrics, self._health, self.s.http_host, self.s.http_port
+        )
+        log.info(
+            "sidecar_started",
+            job=self.job,
+            machine=self.machine,
+            status=self._status,
+            run_dir=str(self.workers.run_dir),
+            http_port=self._http.port,
+        )
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.to_thread(self.workers.close)
+        if self._http is not None:
+            await self._http.stop()
+        if self._nc is not None and self._nc.is_connected:
+            await self._nc.drain()
+        log.info("sidecar_stopped", job=self.job, machine=self.machine)
+
+    def _health(self) -> dict[str, object]:
+        connected = self._nc is not None and self._nc.is_connected
+        return {
+            "status": "ok" if connected else "bus_disconnected",
+            "machine": self.machine,
+            "machine_status": self._status,
+        }
+
+    def _assigned(self) -> bool:
+        mine = self._state.machines.get(self.machine) if self._state else None
+        return mine is not None and mine.cell is not None and mine.status == "active"
+
+    # --- cluster state -------------------------------------------------------------------
+
+    async def _wait_for_state(self) -> ClusterState:
+        """The planner writes the job's state when it registers it; wait for that."""
+        assert self._nc is not None
+        js = self._nc.jetstream()
+        while True:
+            try:
+                kv = await bus.job_bucket(js, self.job)
+                entry = await kv.get(STATE_KEY)
+                if entry.value:
+                    return decode(ClusterState, entry.value)
+            except Exception as err:  # bucket or key not there yet
+                if not isinstance(err, KeyNotFoundError):
+                    log.debug("waiting_for_state", job=self.job, error=str(err))
+            await asyncio.sleep(0.1)
+
+    async def _watch_state(self) -> None:
+        assert self._nc is not None
+        kv = await bus.job_bucket(self._nc.jetstream(), self.job)
+        watcher = await kv.watch(STATE_KEY)
+        async for entry in watcher:
+            if entry is not None and entry.value:
+                with contextlib.suppress(Exception):
+                    self._state = decode(ClusterState, entry.value)
+
+    # --- signals -------------------------------------------------------------------------
+
+    async def _heartbeats(self) -> None:
+        assert self._nc is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self.s.heartbeat_interval_s)
+            self._beat_now.clear()
+            workers = self.workers.worker_status()
+            warm: list[str] = []
+            if self._status == "standby" and workers and all(w.state == "standby" for w in workers):
+                warm = role_types(self.s.config.layout)
+            beat = Heartbeat(
+                job=self.job,
+                machine=self.machine,
+                seq=self._seq,
+                status=self._status,  # type: ignore[arg-type]
+                workers=workers,
+                warm_role_types=warm,
+            )
+            self._seq += 1
+            with contextlib.suppress(Exception):
+                await self._nc.publish(self._subjects.heartbeat(self.machine), beat.to_json())
+
+    def _on_worker_event(self, ref: RankRef, msg: c.Message) -> None:
+        """Runs on a control reader thread: hand work to the event loop."""
+        if self._loop is None:
+            return
+        if isinstance(msg, c.StepDone) and ref.local_rank == 0:
+            self._loop.call_soon_threadsafe(self._publish_stats, msg)
+        elif isinstance(msg, c.Exited):
+            self._loop.call_soon_threadsafe(self._beat_now.set)
+
+    def _publish_stats(self, done: c.StepDone) -> None:
+        assert self._nc is not None
+        self._m_steps.set(done.step)
+        stats = StepStats(
+            job=self.job, machine=self.machine, step=done.step, compute_s=done.seconds
+        )
+        task = asyncio.ensure_future(
+            self._nc.publish(self._subjects.stats(self.machine), stats.to_json())
+        )
+        task.add_done_callback(lambda t: t.exception())
+
+    # --- commands --------------------------------------------------------------------------
+
+    async def _handle(self, command: Command) -> dict[str, object]:
+        log.info(
+            "command",
+            job=self.job,
+            machine=self.machine,
+            op=command.op,
+            plan_id=command.plan_id,
+            command_id=command.command_id,
+        )
+        timeout = float(command.args.get("timeout_s", self.s.command_timeout_s))
+        try:
+            result = await self._dispatch(command, timeout)
+        except Exception:
+            self._m_commands.inc(op=command.op, outcome="error")
+            raise
+        self._m_commands.inc(op=command.op, outcome="ok")
+        return result
+
+    async def _dispatch(self, command: Command, timeout: float) -> dict[str, object]:
+        w = self.workers
+        op = command.op
+        if op == "status":
+            return {
+                "step": w.current_step(),
+                "status": self._status,
+                "workers": [x.model_dump() for x in w.worker_status()],
+            }
+        if op == "steps":
+            step = int(command.args["step"])
+            return await asyncio.to_thread(w.step_times, step, timeout)
+        plan = _plan_arg(command)
+        if op == "prepare":
+            if any(m.leaver == self.machine for m in plan.moves):
+                self._status = "leaving"
+            return await asyncio.to_thread(w.prepare, plan, timeout)
+        if op == "commit":
+            return await asyncio.to_thread(w.commit, plan, int(command.args["step"]), timeout)
+        if op == "transfer":  # the switch: phase 2, state transfer included
+            result = await asyncio.to_thread(w.wait_switched, plan, timeout)
+            if "joiner" in result["parts"]:  # type: ignore[operator]
+                self._status = "active"
+            return result
+        if op == "release":
+            return await self._release(plan)
+        raise ValueError(f"unsupported op {op!r}")
+
+    async def _release(self, plan: Plan) -> dict[str, object]:
+        """The leaver's workers are gone: maintenance, then back as a standby."""
+        if not any(m.leaver == self.machine for m in plan.moves):
+            return {"released": False}
+        self._status = "maintenance"
+        self._beat_now.set()
+        self._tasks.append(asyncio.create_task(self._return_after_maintenance()))
+        return {"released": True, "maintenance_s": self.s.config.cluster.maintenance_s}
+
+    async def _return_after_maintenance(self) -> None:
+        await asyncio.sleep(self.s.config.cluster.maintenance_s)
+        await asyncio.to_thread(self.workers.stop)
+        await asyncio.to_thread(self.workers.launch)
+        self._status = "standby"
+        self._beat_now.set()
+        log.info("back_from_maintenance", job=self.job, machine=self.machine)
+
+
+def _plan_arg(command: Command) -> Plan:
+    raw = command.args.get("plan")
+    if not isinstance(raw, str):
+        raise ValueError(f"{command.op} needs args.plan, the plan as JSON text")
+    return decode(Plan, raw)
