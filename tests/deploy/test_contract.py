@@ -13,7 +13,6 @@ from trainmover.cli import CliError, service_main
 from trainmover.metrics import Histogram, parse_text
 from trainmover.services.health_monitor import config as hm_config
 from trainmover.services.health_monitor.metrics import HealthMetrics
-from trainmover.subjects import JobSubjects
 
 
 def available(service: str) -> bool:
@@ -94,11 +93,3 @@ def slow_le() -> str:
 def test_failed_outcomes_are_terminal_states() -> None:
     assert set(metric_names.FAILED_OUTCOMES) < set(metric_names.MIGRATION_OUTCOMES)
     assert "done" in metric_names.MIGRATION_OUTCOMES
-
-
-def test_subjects_named_in_docs_exist() -> None:
-    """docs/operations.md names the job's subjects; they are the layout's."""
-    subjects = JobSubjects("JOB")
-    text = (ROOT / "docs" / "operations.md").read_text()
-    for subject in (subjects.events, subjects.progress, subjects.deadletter, subjects.plans):
-        assert subject.replace("JOB", "<job>") in text, subject

@@ -62,12 +62,18 @@ def test_a_sidecar_per_node_and_the_last_nodes_standby(tmp_path: Path) -> None:
     nodes = ["gpu-01", "gpu-02", "gpu-03", "gpu-04", "gpu-05"]
     run = run_script(tmp_path, nodes, standbys=2)
     assert run.returncode == 0, run.stderr
+    # The steps run in the background, so they are recorded in any order.
     steps = [shlex.split(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
-    assert len(steps) == len(nodes)
+    by_node = {}
+    for step in steps:
+        (where,) = [a for a in step if a.startswith("--nodelist=")]
+        by_node[where.removeprefix("--nodelist=")] = step
+    assert len(steps) == len(by_node) == len(nodes) and set(by_node) == set(nodes)
     standby = []
-    for step, node in zip(steps, nodes, strict=True):
+    for node in nodes:
+        step = by_node[node]
         # One task on exactly that node, and a dead node ends only its own step.
-        assert f"--nodelist={node}" in step and "--nodes=1" in step and "--ntasks=1" in step
+        assert "--nodes=1" in step and "--ntasks=1" in step
         assert "--kill-on-bad-exit=0" in step
         command = check_command(step[step.index("trainmover") :])
         assert command.service == "sidecar"
