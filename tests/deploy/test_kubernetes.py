@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 
 from tests.deploy.files import (
@@ -52,6 +53,23 @@ def named_port(c: dict[str, Any], name: str) -> int:
 
 def job_config_data() -> dict[str, str]:
     return find("ConfigMap", "trainmover-job")["data"]  # type: ignore[no-any-return]
+
+
+KUBERNETES_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())
+"""The oldest Kubernetes the manifests claim to work with, and the newest schemas known."""
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
+"""Prometheus Operator kinds: no bundled schema; checked field by field below."""
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_manifests_validate_against_the_kubernetes_api_schemas(version: str) -> None:
+    """Strict: unknown fields (a misspelt probe) and wrong types fail, as the API would."""
+    checked = 0
+    for doc in manifests():
+        if doc["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, version, strict=True)
+            checked += 1
+    assert checked == len(manifests()) - len(CUSTOM_KINDS)
 
 
 def test_every_object_is_complete_and_in_the_namespace() -> None:
@@ -179,6 +197,7 @@ def test_training_pods_match_the_layout(tmp_path: Path) -> None:
 
 def test_service_monitor_scrapes_every_trainmover_service() -> None:
     monitor = find("ServiceMonitor", "trainmover")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     selector = monitor["spec"]["selector"]["matchLabels"]
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["path"] == ports.METRICS_PATH
@@ -197,6 +216,8 @@ def test_service_monitor_scrapes_every_trainmover_service() -> None:
 
 def test_prometheus_rule_is_the_shipped_alert_rules() -> None:
     rule = find("PrometheusRule", "trainmover")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(rule["spec"]) == {"groups"}
     assert rule["spec"] == load_yaml(DEPLOY / "prometheus" / "trainmover-alerts.yaml")
 
 
