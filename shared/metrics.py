@@ -88,7 +88,8 @@ class Counter(_Metric):
 
     def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
         super().__init__(name, help_text, labels)
-        self._values: dict[LabelKey, float] = {}
+        # An unlabelled series exists from the start, at zero (Prometheus convention).
+        self._values: dict[LabelKey, float] = {} if labels else {(): 0.0}
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         if amount < 0:
@@ -160,6 +161,9 @@ class Histogram(_Metric):
         self.buckets = tuple(sorted(float(b) for b in buckets if not math.isinf(b)))
         self._counts: dict[LabelKey, list[int]] = {}
         self._sums: dict[LabelKey, float] = {}
+        if not labels:  # exists from the start, empty (Prometheus convention)
+            self._counts[()] = [0] * (len(self.buckets) + 1)
+            self._sums[()] = 0.0
 
     def observe(self, value: float, **labels: str) -> None:
         key = self._key(labels)

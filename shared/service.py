@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from nats.aio.client import Client as NatsClient
@@ -81,6 +83,7 @@ def base_parser(prog: str, http_port: int) -> argparse.ArgumentParser:
     p.add_argument("--job-config", help="the job config file (YAML or JSON)")
     p.add_argument("--http-host", default="127.0.0.1", help="address of /metrics and /healthz")
     p.add_argument("--http-port", type=int, default=http_port, help="0 picks a free port")
+    p.add_argument("--port-file", type=Path, help="write the bound HTTP port here")
     p.add_argument("--log-format", choices=["json", "console"])
     p.add_argument("--log-level")
     return p
@@ -143,6 +146,7 @@ class OnBus:
         self._http = await serve_observability(
             self.service.metrics, self.service.health, self.args.http_host, self.args.http_port
         )
+        write_port_file(self.args.port_file, self._http.port)
 
     async def stop(self) -> None:
         if self._http is not None:
@@ -150,4 +154,17 @@ class OnBus:
         if self.service is not None:
             await self.service.stop()
         if self._nc is not None and self._nc.is_connected:
-            await self._nc.drain()
+            # Everything durable was acked already; a drain would wait out pull
+            # subscriptions with a fetch in flight.
+            with contextlib.suppress(Exception):
+                await self._nc.flush(timeout=2)
+            await self._nc.close()
+
+
+def write_port_file(path: Path | None, port: int) -> None:
+    """Writes the bound HTTP port for whoever started us with --http-port 0 (atomically)."""
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)

@@ -19,6 +19,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from trainmover import bus
+from trainmover import metric_names as names
 from trainmover.logs import get_logger
 from trainmover.messages import MessageError, MigrationProgress, Plan, decode
 from trainmover.metrics import Registry
@@ -26,8 +27,6 @@ from trainmover.services.executor.migration import Migration, MigrationRecord
 from trainmover.subjects import JobSubjects
 
 log = get_logger("executor")
-
-DOWNTIME_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 class ExecutorService:
@@ -53,17 +52,17 @@ class ExecutorService:
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics = metrics or Registry()
         self._m_migrations = self.metrics.counter(
-            "trainmover_migrations_total",
+            names.MIGRATIONS,
             "Migrations ended, by kind and outcome",
             ["kind", "outcome"],
         )
         self._m_downtime = self.metrics.histogram(
-            "trainmover_migration_downtime_seconds",
+            names.MIGRATION_DOWNTIME,
             "Downtime of completed migrations",
-            buckets=DOWNTIME_BUCKETS,
+            buckets=names.MIGRATION_DOWNTIME_BUCKETS,
         )
         self._m_phase = self.metrics.gauge(
-            "trainmover_migration_phase_seconds", "Phase durations of the last migration", ["phase"]
+            names.MIGRATION_PHASE, "Phase durations of the last migration", ["phase"]
         )
 
     def health(self) -> dict[str, object]:

@@ -24,6 +24,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from trainmover import bus
+from trainmover import metric_names as names
 from trainmover.logs import get_logger
 from trainmover.messages import (
     ClusterState,
@@ -81,17 +82,15 @@ class PlannerService:
         self._subs: list[object] = []
         self.metrics = metrics or Registry()
         self._m_decisions = self.metrics.counter(
-            "trainmover_planner_decisions_total", "Inputs decided, by outcome", ["outcome"]
+            names.PLANNER_DECISIONS, "Inputs decided, by outcome", ["outcome"]
         )
         self._m_plans = self.metrics.counter(
-            "trainmover_planner_plans_total", "Plans published, by migration kind", ["kind"]
+            names.PLANNER_PLANS, "Plans published, by migration kind", ["kind"]
         )
         self._m_latency = self.metrics.histogram(
-            "trainmover_planner_plan_latency_seconds", "Event publish to plan publish"
+            names.PLANNER_PLAN_LATENCY, "Event publish to plan publish"
         )
-        self._m_pool = self.metrics.gauge(
-            "trainmover_standby_pool_size", "Standby machines warm and free"
-        )
+        self._m_pool = self.metrics.gauge(names.STANDBY_POOL_SIZE, "Standby machines warm and free")
 
     def health(self) -> dict[str, object]:
         connected = self._nc.is_connected
@@ -114,6 +113,7 @@ class PlannerService:
     async def start(self) -> None:
         self._kv = await bus.ensure_job(self._js, self._job)
         await self._load()
+        self._m_pool.set(self._pool_size())
         await self._flush_outbox()
         events = await self._js.pull_subscribe(
             self._subjects.events,
@@ -170,6 +170,9 @@ class PlannerService:
             self._revision = await self._kv.create(STATE_KEY, self._state.to_json())
             log.info("state_created", job=self._job, machines=sorted(self._state.machines))
 
+    def _pool_size(self) -> int:
+        return sum(1 for m in self.state.machines.values() if m.status == "standby")
+
     async def _save(self, state: ClusterState) -> None:
         """Stores `state` if nobody else wrote since we read it (one planner per job)."""
         assert self._kv is not None
@@ -185,7 +188,7 @@ class PlannerService:
             await self._load()
             raise
         self._state = state
-        self._m_pool.set(sum(1 for m in state.machines.values() if m.status == "standby"))
+        self._m_pool.set(self._pool_size())
 
     # --- inputs ----------------------------------------------------------------------
 

@@ -47,6 +47,11 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
         help="the worker module each local rank runs (python -m ENTRY)",
     )
     p.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="this machine is a standby (refused if the job lists it as active)",
+    )
     args = parse(p, argv)
     try:
         check_name("machine", args.machine)
@@ -57,6 +62,8 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
             f"no rendezvous store: pass --rendezvous HOST:PORT or set {RENDEZVOUS_ENV}"
         )
     args.config = load_job_config(args.job_config)
+    if args.standby and args.machine in args.config.cluster.machines:
+        raise SettingsError(f"--standby, but the job config lists {args.machine} as active")
     return args
 
 
@@ -74,6 +81,7 @@ def _build(args: argparse.Namespace) -> Service:
             heartbeat_interval_s=args.heartbeat_interval,
             http_host=args.http_host,
             http_port=args.http_port,
+            port_file=args.port_file,
             log_format=args.log_format,
             log_level=args.log_level,
         )

@@ -28,6 +28,7 @@ from trainmover.metrics import Registry
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.plan import RankRef
+from trainmover.service import write_port_file
 from trainmover.services.planner.decisions import role_types
 from trainmover.services.sidecar.workers import MachineWorkers
 from trainmover.subjects import STATE_KEY, JobSubjects
@@ -49,6 +50,7 @@ class SidecarSettings:
     command_timeout_s: float = 120.0
     http_host: str = "127.0.0.1"
     http_port: int = 0
+    port_file: Path | None = None
     log_format: str | None = None
     log_level: str | None = None
 
@@ -106,6 +108,7 @@ class Sidecar:
         self._http = await serve_observability(
             self.metrics, self._health, self.s.http_host, self.s.http_port
         )
+        write_port_file(self.s.port_file, self._http.port)
         log.info(
             "sidecar_started",
             job=self.job,
@@ -127,7 +130,9 @@ class Sidecar:
         if self._http is not None:
             await self._http.stop()
         if self._nc is not None and self._nc.is_connected:
-            await self._nc.drain()
+            with contextlib.suppress(Exception):
+                await self._nc.flush(timeout=2)
+            await self._nc.close()
         log.info("sidecar_stopped", job=self.job, machine=self.machine)
 
     def _health(self) -> dict[str, object]:

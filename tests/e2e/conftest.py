@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +20,12 @@ from nats.aio.client import Client as NatsClient
 
 from trainmover import bus
 from trainmover.client import TrainMoverClient
-from trainmover.messages import Heartbeat, StepStats, decode
+from trainmover.messages import ClusterState, Heartbeat, StepStats, decode
 from trainmover.runtime.compare import mismatches, state_files
 from trainmover.runtime.config import JobConfig, save_config
 from trainmover.runtime.driver import LocalJob
 from trainmover.stack import Stack
-from trainmover.subjects import JobSubjects
+from trainmover.subjects import STATE_KEY, JobSubjects
 
 STEPS = 150
 #: Generous bound on any one wait: the 2 shared cores are sometimes heavily loaded.
@@ -55,15 +55,34 @@ class Cluster:
     nc: NatsClient
     job: str
     steps: dict[str, int]
+    stepped: asyncio.Condition
 
     async def wait_step(self, machine: str, step: int, timeout: float = WAIT_S) -> None:
         """Until `machine` reported a step >= `step` (its step statistics)."""
+        async with self.stepped:
+            await asyncio.wait_for(
+                self.stepped.wait_for(lambda: self.steps.get(machine, -1) >= step), timeout
+            )
 
-        async def reached() -> None:
-            while self.steps.get(machine, -1) < step:
-                await asyncio.sleep(0.05)
+    async def wait_state(
+        self, predicate: Callable[[ClusterState], bool], timeout: float = WAIT_S
+    ) -> ClusterState:
+        """Until the planner's cluster state satisfies `predicate`; returns that state."""
+        kv = await bus.job_bucket(self.nc.jetstream(), self.job)
+        watcher = await kv.watch(STATE_KEY)
 
-        await asyncio.wait_for(reached(), timeout)
+        async def reached() -> ClusterState:
+            async for entry in watcher:
+                if entry is not None and entry.value:
+                    state = decode(ClusterState, entry.value)
+                    if predicate(state):
+                        return state
+            raise AssertionError("state watch ended")
+
+        try:
+            return await asyncio.wait_for(reached(), timeout)
+        finally:
+            await watcher.stop()
 
     async def wait_finished(self, machines: list[str], timeout: float = WAIT_S) -> None:
         """Until every worker of `machines` exited cleanly (training ran to its end)."""
@@ -102,15 +121,18 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     async with stack:
         nc = await bus.connect(stack.url, "e2e-test")
         steps: dict[str, int] = {}
+        stepped = asyncio.Condition()
 
         async def on_stats(msg) -> None:
             stats = decode(StepStats, msg.data)
-            steps[stats.machine] = max(steps.get(stats.machine, -1), stats.step)
+            async with stepped:
+                steps[stats.machine] = max(steps.get(stats.machine, -1), stats.step)
+                stepped.notify_all()
 
         await nc.subscribe(JobSubjects(CONFIG.job).all_stats, cb=on_stats)
         client = TrainMoverClient(nc)
         try:
-            yield Cluster(stack, client, nc, CONFIG.job, steps)
+            yield Cluster(stack, client, nc, CONFIG.job, steps, stepped)
         finally:
             with contextlib.suppress(Exception):
                 await nc.close()

@@ -6,24 +6,11 @@ optimizer state are bit-identical to the uninterrupted reference run.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from tests.e2e.conftest import WAIT_S, Cluster
 
 pytestmark = pytest.mark.timeout(900)
-
-
-async def wait_status(cluster: Cluster, machine: str, status: str, timeout: float = WAIT_S):
-    async def reached():
-        while True:
-            state = await cluster.client.status(cluster.job)
-            if state.machines.get(machine) and state.machines[machine].status == status:
-                return state
-            await asyncio.sleep(0.1)
-
-    return await asyncio.wait_for(reached(), timeout)
 
 
 async def test_drain_through_the_client(cluster: Cluster, reference) -> None:
@@ -42,7 +29,7 @@ async def test_drain_through_the_client(cluster: Cluster, reference) -> None:
     await cluster.wait_step("s0", switch_step + 5)
 
     # The drained machine comes back from maintenance, warm, as a standby.
-    back = await wait_status(cluster, "m1", "standby")
+    back = await cluster.wait_state(lambda s: s.machines["m1"].status == "standby")
     assert back.machines["m1"].warm_role_types == ["first", "last"]
 
     await cluster.wait_finished(["m0", "s0", "m2", "m3"])
