@@ -94,9 +94,24 @@ class LocalJob:
         self._rendezvous = None if store_address else RendezvousHost()
         self.store_address = store_address or self._rendezvous.address  # type: ignore[union-attr]
         self.control = ControlServer(self._welcome, self._on_event)
-        for machine in self.assignment:
-            self._spawn_machine(machine)
-        self.add_standbys(standbys)
+        try:
+            for machine in self.assignment:
+                self._spawn_machine(machine)
+            self.add_standbys(standbys)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def launch(cls, config: JobConfig, run_dir: Path, **kwargs: Any) -> LocalJob:
+        """Starts the job and returns once every worker has said hello."""
+        job = cls(config, run_dir, **kwargs)
+        try:
+            job.wait_connected()
+        except BaseException:
+            job.close()
+            raise
+        return job
 
     # -- processes ---------------------------------------------------------------------
 
@@ -189,6 +204,8 @@ class LocalJob:
                 self.ready[msg.plan_id][ref] = msg
             elif isinstance(msg, c.Switched):
                 self.switched[msg.plan_id][ref] = msg
+                # A joiner starts out having completed the leaver's steps.
+                self.last_step[ref] = max(self.last_step.get(ref, 0), msg.step)
             elif isinstance(msg, c.PlanFailed):
                 self.failed[msg.plan_id][ref] = msg
             elif isinstance(msg, c.Exited):
@@ -228,7 +245,9 @@ class LocalJob:
         """Lets every live rank (standbys included) run through step `limit`."""
         self.limit = limit
         for ref in self._live():
-            self.control.request(ref, c.Advance(limit=limit), self.timeout_s)
+            # A worker not connected yet gets the new limit in its welcome.
+            if ref in self.control.connected():
+                self.control.request(ref, c.Advance(limit=limit), self.timeout_s)
 
     def wait_step(
         self, step: int, machines: Iterable[str] | None = None, timeout_s: float | None = None
@@ -253,9 +272,8 @@ class LocalJob:
         """Runs the job to its last step and waits for every worker to exit cleanly;
         standbys never used are stopped."""
         self.set_limit(self.config.train.steps)
-        for machine in self.standbys:
-            for ref in self.ranks([machine]):
-                self.control.request(ref, c.Stop(), self.timeout_s)
+        for ref in self.ranks(self.standbys):
+            self.control.request(ref, c.Stop(), self.timeout_s)
         refs = list(self.procs)
         self._wait(
             lambda: all(self.procs[r].poll() is not None for r in refs),
@@ -381,3 +399,58 @@ class LocalJob:
         return MigrationReport(
             plan, step, prepare_sent, ready, ready_at, commit_sent, commit_acked, switched, acks
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainmover.runtime.driver --config job.yaml --migrate m0=s0@20``"""
+    import argparse
+    import json
+    import tempfile
+
+    from trainmover.runtime.config import load_config
+
+    parser = argparse.ArgumentParser(description="Run a job locally and migrate machines.")
+    parser.add_argument("--config", type=Path, required=True, help="job config (YAML/JSON)")
+    parser.add_argument("--standbys", type=int, default=1)
+    parser.add_argument("--run-dir", type=Path, help="logs and states (default: a temp dir)")
+    parser.add_argument(
+        "--migrate",
+        action="append",
+        default=[],
+        metavar="LEAVER=JOINER@STEP",
+        help="a planned migration; several in one plan: m0=s0,m1=s1@20",
+    )
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-"))
+    with LocalJob.launch(config, run_dir, standbys=args.standbys) as job:
+        for spec in args.migrate:
+            pairs, _, step = spec.partition("@")
+            moves = dict(pair.split("=", 1) for pair in pairs.split(","))
+            report = job.migrate(moves, at_step=int(step) if step else None)
+            print(
+                json.dumps(
+                    {
+                        "plan": report.plan.plan_id,
+                        "step": report.commit_step,
+                        "rebuilt": [g.name for g in report.plan.groups],
+                    }
+                )
+            )
+        job.finish()
+        losses = job.losses()
+    print(
+        json.dumps(
+            {
+                "run_dir": str(run_dir),
+                "steps": len(losses),
+                "first_loss": losses.get(1),
+                "last_loss": losses.get(max(losses)),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
