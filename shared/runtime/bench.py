@@ -72,21 +72,25 @@ def measure(job: LocalJob, report: MigrationReport, steady_from: int, steady_to:
 def run(config: JobConfig, repeats: int, margin: int, warm_steps: int, run_dir: Path) -> dict:
     migrations: list[dict[str, Any]] = []
     modes = [full for _ in range(repeats) for full in (False, True)]
-    steps = warm_steps * (len(modes) + 2) + 10
-    config = config.with_updates(train={"steps": steps, "dump_steps": []})
+    # Open-ended: the benchmark holds and ends the job with limits, not a step count.
+    config = config.with_updates(train={"steps": 1_000_000, "dump_steps": []})
     started = time.time()
-    with LocalJob.launch(config, run_dir, standbys=1, timeout_s=600) as job:
-        for full in modes:
-            # Steady state first: the new standby has started and warmed up, and the
-            # step period before the event is not disturbed by its start-up.
+    with LocalJob.launch(config, run_dir, standbys=1, limit=1, timeout_s=600) as job:
+        for i, full in enumerate(modes):
+            # The job is held while the next standby starts (its start-up would disturb
+            # the step period), then runs a steady window before the event.
             job.wait_connected()
             steady_from = job.current_step() + 2
+            job.set_limit(steady_from + warm_steps + 10 * margin + 50)
             job.wait_step(steady_from + warm_steps)
             leaver = next(m for m, cell in job.assignment.items() if cell == CELL)
             report = job.migrate({leaver: job.standbys[0]}, margin=margin, full=full)
+            job.set_limit(max(job.limit, report.commit_step + 2))
             migrations.append(measure(job, report, steady_from, report.commit_step))
-            job.add_standbys(1)
-        job.finish()
+            if i + 1 < len(modes):
+                job.set_limit(job.current_step() + 1)
+                job.add_standbys(1)
+        job.stop_at(job.limit)
     return {
         "benchmark": "planned_migration",
         "layout": config.layout.model_dump(),

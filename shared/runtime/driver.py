@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from trainmover.runtime import control as c
+from trainmover.runtime import logs
 from trainmover.runtime.config import JobConfig, save_config
 from trainmover.runtime.launcher import ControlServer, RendezvousHost, spawn_worker
 from trainmover.runtime.layout import MachineRole, Role
@@ -70,6 +71,7 @@ class LocalJob:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.entry = entry
         self.timeout_s = timeout_s
+        self.log = logs.get_logger(job=config.job, component="driver")
         self.layout = config.layout
         cells = self.layout.cells()
         #: Active machines -> the (dp, pp) cell each serves.
@@ -139,8 +141,8 @@ class LocalJob:
         ]
 
     def wait_connected(self, timeout_s: float | None = None) -> None:
-        """Until every process has said hello."""
-        expected = set(self.procs)
+        """Until every process that has not exited (leavers have) has said hello."""
+        expected = {r for r in self.procs if r not in self.exited}
         self._wait(lambda: expected <= self.control.connected(), timeout_s, "hello from all")
 
     def close(self) -> None:
@@ -282,6 +284,23 @@ class LocalJob:
         )
         self._check_alive()
 
+    def stop_at(self, step: int, timeout_s: float | None = None) -> None:
+        """Ends the job after `step` (before its configured last step): every rank is
+        held at that boundary first, so all stop at the same step and none is left
+        waiting in a collective for a peer that already stopped."""
+        self.wait_connected(timeout_s)  # a standby still starting must get the stop too
+        self.set_limit(step)
+        self.wait_step(step, timeout_s=timeout_s)
+        for ref in self._live():
+            self.control.request(ref, c.Stop(), self.timeout_s)
+        refs = list(self.procs)
+        self._wait(
+            lambda: all(self.procs[r].poll() is not None for r in refs),
+            timeout_s,
+            "all workers to exit",
+        )
+        self._check_alive()
+
     def losses(self) -> dict[int, float]:
         """Mean loss over the DP replicas' last stages, by step."""
         out = {}
@@ -345,6 +364,7 @@ class LocalJob:
             for r in self.affected_ranks(plan)
         }
         refused = {str(r): a.reason for r, a in acks.items() if not a.accepted}
+        self.log.info("commit", plan_id=plan.plan_id, step=step, refused=refused or None)
         if refused:
             # Part 1 has no abort path yet (issue 5): a refused commit is fatal to the plan.
             raise RuntimeError(f"commit({step}) of {plan.plan_id} refused: {refused}")
@@ -373,6 +393,13 @@ class LocalJob:
             self.standbys.remove(move.joiner)
         for spec in plan.groups:
             self.generations[spec.name] = spec.generation
+        self.log.info(
+            "switched",
+            plan_id=plan.plan_id,
+            rebuilt_groups=len(plan.groups),
+            rebuilt=[g.name for g in plan.groups],
+            ranks=len(refs),
+        )
         return dict(self.switched[plan.plan_id])
 
     def migrate(
@@ -383,18 +410,34 @@ class LocalJob:
         full: bool = False,
         timeout_s: float | None = None,
     ) -> MigrationReport:
-        """A whole planned migration. The switch step is `at_step`, or `margin` steps past
-        the furthest rank once everyone is ready (ahead of the slowest worker, so no rank
-        has passed it when the commit arrives)."""
+        """A whole planned migration.
+
+        With `at_step`, the switch happens exactly at the boundary after that step: the
+        job may run up to it during phase 1 and is held there if phase 1 is not ready yet
+        (that wait is downtime); afterwards the limit is the larger of the previous one
+        and `at_step`. Without it, the switch step is `margin` steps past the furthest
+        rank once phase 1 is ready (ahead of the slowest worker, so no rank has passed
+        it when the commit arrives), and training never waits for the plan."""
         plan = self.make_plan(moves, full=full)
+        self.log.info(
+            "plan", plan_id=plan.plan_id, moves=moves, delta=[g.name for g in plan.groups]
+        )
+        resume_limit = self.limit
+        if at_step is not None:
+            if at_step < self.current_step():
+                raise ValueError(f"step {at_step} is already past")
+            self.set_limit(at_step)
         prepare_sent = time.time()
         acks = self.prepare(plan)
         ready = self.wait_ready(plan, timeout_s)
         ready_at = time.time()
-        step = at_step if at_step is not None else self.current_step() + margin
+        # Never beyond the limit: a rank held there could not reach the switch step.
+        step = at_step if at_step is not None else min(self.current_step() + margin, self.limit)
         commit_sent = time.time()
         self.commit(plan, step)
         commit_acked = time.time()
+        if at_step is not None:
+            self.set_limit(max(resume_limit, at_step))
         switched = self.wait_switched(plan, timeout_s)
         return MigrationReport(
             plan, step, prepare_sent, ready, ready_at, commit_sent, commit_acked, switched, acks

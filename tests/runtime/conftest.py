@@ -36,12 +36,15 @@ class Scenario:
     switch_at: int
     #: The first dump after the switch.
     check_at: int
+    #: Stayers get the plan before the joiner (see `migrate_staggered`); otherwise the
+    #: driver's own `LocalJob.migrate(moves, at_step=switch_at)` runs it.
+    staggered: bool = True
 
 
 SCENARIOS = [
     Scenario("first stage, replica 0", {"m0": "s0"}, 4, 10, 14),
     Scenario("last stage, replica 1", {"m3": "s1"}, 10, 18, 22),
-    Scenario("two machines at once", {"m1": "s2", "m2": "s3"}, 18, 26, 40),
+    Scenario("two machines at once", {"m1": "s2", "m2": "s3"}, 18, 26, 40, staggered=False),
 ]
 DUMP_STEPS = [s.check_at for s in SCENARIOS]
 MIGRATED_STEPS = 40
@@ -82,13 +85,11 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         return Run(run_dir, job.losses())
 
 
-def migrate_held(job: LocalJob, scenario: Scenario) -> Migration:
-    """One migration with the steps pinned by holds. The stayers get the plan first and
-    the joiner and leaver only once the stayers completed two more steps: every delta
-    group contains a joiner rank, so the stayers' phase 1 is provably still running while
-    they train."""
-    job.wait_step(scenario.prepare_at)
-    before = job.status()
+def migrate_staggered(job: LocalJob, scenario: Scenario) -> tuple[Plan, dict, dict]:
+    """Phase 1 with a provable overlap: the stayers get the plan first and the joiner and
+    leaver only once the stayers completed two more steps. Every delta group contains a
+    joiner rank, so the stayers' phase 1 is still running while they train those steps.
+    The commit is sent while the job is held at the switch step, so it is exact."""
     plan = job.make_plan(scenario.moves)
     job.prepare(plan, machines=plan.stayers())
     job.set_limit(scenario.switch_at)
@@ -97,7 +98,18 @@ def migrate_held(job: LocalJob, scenario: Scenario) -> Migration:
     ready = job.wait_ready(plan)
     job.wait_step(scenario.switch_at)
     job.commit(plan, scenario.switch_at)
-    switched = job.wait_switched(plan)
+    return plan, ready, job.wait_switched(plan)
+
+
+def migrate(job: LocalJob, scenario: Scenario) -> Migration:
+    job.wait_step(scenario.prepare_at)
+    before = job.status()
+    if scenario.staggered:
+        plan, ready, switched = migrate_staggered(job, scenario)
+    else:
+        report = job.migrate(scenario.moves, at_step=scenario.switch_at)
+        plan, ready, switched = report.plan, report.ready, report.switched
+        assert report.commit_step == scenario.switch_at
     return Migration(scenario, plan, before, job.status(), ready, switched)
 
 
@@ -109,7 +121,7 @@ def migrated_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     with LocalJob.launch(config, run_dir, standbys=joiners, limit=SCENARIOS[0].prepare_at) as job:
         run = Run(run_dir, {})
         for scenario in SCENARIOS:
-            run.migrations.append(migrate_held(job, scenario))
+            run.migrations.append(migrate(job, scenario))
         job.finish()
         run.losses = job.losses()
         return run

@@ -80,6 +80,9 @@ def test_training_continues_while_phase_one_runs(index: int, migrated_run: Run) 
     stayers = {r: e for r, e in m.ready.items() if r.machine in m.plan.stayers()}
     assert stayers
     for ref, ready in stayers.items():
-        assert ready.steps_during_build >= 2, ref
+        # Prepared at `prepare_at`, switched at `switch_at`: the steps in between were
+        # trained over the old groups while phase 1 ran.
         assert m.before[ref].step == m.scenario.prepare_at
         assert m.switched[ref].step == m.scenario.switch_at
+        if m.scenario.staggered:  # there the overlap is provable, not just likely
+            assert ready.steps_during_build >= 2, ref
