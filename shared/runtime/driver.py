@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from trainmover.runtime import control as c
+from trainmover.runtime import logs
 from trainmover.runtime.config import JobConfig, save_config
 from trainmover.runtime.launcher import ControlServer, RendezvousHost, spawn_worker
 from trainmover.runtime.layout import MachineRole, Role
@@ -70,6 +71,7 @@ class LocalJob:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.entry = entry
         self.timeout_s = timeout_s
+        self.log = logs.get_logger(job=config.job, component="driver")
         self.layout = config.layout
         cells = self.layout.cells()
         #: Active machines -> the (dp, pp) cell each serves.
@@ -94,9 +96,24 @@ class LocalJob:
         self._rendezvous = None if store_address else RendezvousHost()
         self.store_address = store_address or self._rendezvous.address  # type: ignore[union-attr]
         self.control = ControlServer(self._welcome, self._on_event)
-        for machine in self.assignment:
-            self._spawn_machine(machine)
-        self.add_standbys(standbys)
+        try:
+            for machine in self.assignment:
+                self._spawn_machine(machine)
+            self.add_standbys(standbys)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def launch(cls, config: JobConfig, run_dir: Path, **kwargs: Any) -> LocalJob:
+        """Starts the job and returns once every worker has said hello."""
+        job = cls(config, run_dir, **kwargs)
+        try:
+            job.wait_connected()
+        except BaseException:
+            job.close()
+            raise
+        return job
 
     # -- processes ---------------------------------------------------------------------
 
@@ -124,8 +141,8 @@ class LocalJob:
         ]
 
     def wait_connected(self, timeout_s: float | None = None) -> None:
-        """Until every process has said hello."""
-        expected = set(self.procs)
+        """Until every process that has not exited (leavers have) has said hello."""
+        expected = {r for r in self.procs if r not in self.exited}
         self._wait(lambda: expected <= self.control.connected(), timeout_s, "hello from all")
 
     def close(self) -> None:
@@ -189,6 +206,8 @@ class LocalJob:
                 self.ready[msg.plan_id][ref] = msg
             elif isinstance(msg, c.Switched):
                 self.switched[msg.plan_id][ref] = msg
+                # A joiner starts out having completed the leaver's steps.
+                self.last_step[ref] = max(self.last_step.get(ref, 0), msg.step)
             elif isinstance(msg, c.PlanFailed):
                 self.failed[msg.plan_id][ref] = msg
             elif isinstance(msg, c.Exited):
@@ -228,7 +247,9 @@ class LocalJob:
         """Lets every live rank (standbys included) run through step `limit`."""
         self.limit = limit
         for ref in self._live():
-            self.control.request(ref, c.Advance(limit=limit), self.timeout_s)
+            # A worker not connected yet gets the new limit in its welcome.
+            if ref in self.control.connected():
+                self.control.request(ref, c.Advance(limit=limit), self.timeout_s)
 
     def wait_step(
         self, step: int, machines: Iterable[str] | None = None, timeout_s: float | None = None
@@ -253,9 +274,25 @@ class LocalJob:
         """Runs the job to its last step and waits for every worker to exit cleanly;
         standbys never used are stopped."""
         self.set_limit(self.config.train.steps)
-        for machine in self.standbys:
-            for ref in self.ranks([machine]):
-                self.control.request(ref, c.Stop(), self.timeout_s)
+        for ref in self.ranks(self.standbys):
+            self.control.request(ref, c.Stop(), self.timeout_s)
+        refs = list(self.procs)
+        self._wait(
+            lambda: all(self.procs[r].poll() is not None for r in refs),
+            timeout_s,
+            "all workers to exit",
+        )
+        self._check_alive()
+
+    def stop_at(self, step: int, timeout_s: float | None = None) -> None:
+        """Ends the job after `step` (before its configured last step): every rank is
+        held at that boundary first, so all stop at the same step and none is left
+        waiting in a collective for a peer that already stopped."""
+        self.wait_connected(timeout_s)  # a standby still starting must get the stop too
+        self.set_limit(step)
+        self.wait_step(step, timeout_s=timeout_s)
+        for ref in self._live():
+            self.control.request(ref, c.Stop(), self.timeout_s)
         refs = list(self.procs)
         self._wait(
             lambda: all(self.procs[r].poll() is not None for r in refs),
@@ -327,6 +364,7 @@ class LocalJob:
             for r in self.affected_ranks(plan)
         }
         refused = {str(r): a.reason for r, a in acks.items() if not a.accepted}
+        self.log.info("commit", plan_id=plan.plan_id, step=step, refused=refused or None)
         if refused:
             # Part 1 has no abort path yet (issue 5): a refused commit is fatal to the plan.
             raise RuntimeError(f"commit({step}) of {plan.plan_id} refused: {refused}")
@@ -355,6 +393,13 @@ class LocalJob:
             self.standbys.remove(move.joiner)
         for spec in plan.groups:
             self.generations[spec.name] = spec.generation
+        self.log.info(
+            "switched",
+            plan_id=plan.plan_id,
+            rebuilt_groups=len(plan.groups),
+            rebuilt=[g.name for g in plan.groups],
+            ranks=len(refs),
+        )
         return dict(self.switched[plan.plan_id])
 
     def migrate(
@@ -365,19 +410,90 @@ class LocalJob:
         full: bool = False,
         timeout_s: float | None = None,
     ) -> MigrationReport:
-        """A whole planned migration. The switch step is `at_step`, or `margin` steps past
-        the furthest rank once everyone is ready (ahead of the slowest worker, so no rank
-        has passed it when the commit arrives)."""
+        """A whole planned migration.
+
+        With `at_step`, the switch happens exactly at the boundary after that step: the
+        job may run up to it during phase 1 and is held there if phase 1 is not ready yet
+        (that wait is downtime); afterwards the limit is the larger of the previous one
+        and `at_step`. Without it, the switch step is `margin` steps past the furthest
+        rank once phase 1 is ready (ahead of the slowest worker, so no rank has passed
+        it when the commit arrives), and training never waits for the plan."""
         plan = self.make_plan(moves, full=full)
+        self.log.info(
+            "plan", plan_id=plan.plan_id, moves=moves, delta=[g.name for g in plan.groups]
+        )
+        resume_limit = self.limit
+        if at_step is not None:
+            if at_step < self.current_step():
+                raise ValueError(f"step {at_step} is already past")
+            self.set_limit(at_step)
         prepare_sent = time.time()
         acks = self.prepare(plan)
         ready = self.wait_ready(plan, timeout_s)
         ready_at = time.time()
-        step = at_step if at_step is not None else self.current_step() + margin
+        # Never beyond the limit: a rank held there could not reach the switch step.
+        step = at_step if at_step is not None else min(self.current_step() + margin, self.limit)
         commit_sent = time.time()
         self.commit(plan, step)
         commit_acked = time.time()
+        if at_step is not None:
+            self.set_limit(max(resume_limit, at_step))
         switched = self.wait_switched(plan, timeout_s)
         return MigrationReport(
             plan, step, prepare_sent, ready, ready_at, commit_sent, commit_acked, switched, acks
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainmover.runtime.driver --config job.yaml --migrate m0=s0@20``"""
+    import argparse
+    import json
+    import tempfile
+
+    from trainmover.runtime.config import load_config
+
+    parser = argparse.ArgumentParser(description="Run a job locally and migrate machines.")
+    parser.add_argument("--config", type=Path, required=True, help="job config (YAML/JSON)")
+    parser.add_argument("--standbys", type=int, default=1)
+    parser.add_argument("--run-dir", type=Path, help="logs and states (default: a temp dir)")
+    parser.add_argument(
+        "--migrate",
+        action="append",
+        default=[],
+        metavar="LEAVER=JOINER@STEP",
+        help="a planned migration; several in one plan: m0=s0,m1=s1@20",
+    )
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-"))
+    with LocalJob.launch(config, run_dir, standbys=args.standbys) as job:
+        for spec in args.migrate:
+            pairs, _, step = spec.partition("@")
+            moves = dict(pair.split("=", 1) for pair in pairs.split(","))
+            report = job.migrate(moves, at_step=int(step) if step else None)
+            print(
+                json.dumps(
+                    {
+                        "plan": report.plan.plan_id,
+                        "step": report.commit_step,
+                        "rebuilt": [g.name for g in report.plan.groups],
+                    }
+                )
+            )
+        job.finish()
+        losses = job.losses()
+    print(
+        json.dumps(
+            {
+                "run_dir": str(run_dir),
+                "steps": len(losses),
+                "first_loss": losses.get(1),
+                "last_loss": losses.get(max(losses)),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

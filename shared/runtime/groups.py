@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,11 @@ import torch.distributed as dist
 from trainmover.runtime.plan import GroupSpec, RankRef
 
 _incarnations = itertools.count(1)
+
+#: A ProcessGroupGloo or ProcessGroupNCCL, used directly (no default group, no dist.*
+#: wrappers). Any: their type stubs lack send/recv/barrier, and NCCL's class does not
+#: exist in CPU builds.
+Backend = Any
 
 
 class StaleMemberError(RuntimeError):
@@ -37,7 +43,7 @@ class Group:
     can post sends and wait for them later.
     """
 
-    def __init__(self, spec: GroupSpec, rank: int, backend: dist.ProcessGroup, build_s: float):
+    def __init__(self, spec: GroupSpec, rank: int, backend: Backend, build_s: float):
         self.spec = spec
         self.rank = rank
         self.size = len(spec.members)
@@ -99,7 +105,7 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 def _make_backend(
     store: dist.Store, rank: int, size: int, timeout: timedelta, device: torch.device
-) -> dist.ProcessGroup:
+) -> Backend:
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

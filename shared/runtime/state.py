@@ -87,7 +87,12 @@ class TrainingState:
                 state.setdefault(int(idx), {})[key] = value
         for idx, scalars in header["optim_scalars"].items():
             state.setdefault(int(idx), {}).update(scalars)
-        self.optimizer.load_state_dict({"state": state, "param_groups": header["param_groups"]})
+        own_groups = self.optimizer.state_dict()["param_groups"]
+        groups = [
+            {k: _like(mine.get(k), v) for k, v in theirs.items()}
+            for mine, theirs in zip(own_groups, header["param_groups"], strict=True)
+        ]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         torch.set_rng_state(tensors["rng.torch"].cpu())
         for name, gen in self.generators.items():
             gen.set_state(tensors[f"rng.{name}"].cpu())
@@ -145,6 +150,12 @@ class TrainingState:
 def load_saved(path: Path) -> dict[str, Any]:
     """A saved state: {"header": ..., "tensors": {name: tensor}}."""
     return torch.load(path, weights_only=False)
+
+
+def _like(own: Any, received: Any) -> Any:
+    """The received value with the container type of our own (JSON turns tuples such as
+    Adam's betas into lists)."""
+    return tuple(received) if isinstance(own, tuple) and isinstance(received, list) else received
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -10,6 +10,7 @@ never blocks on its own send while its peer blocks on another.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainmover.runtime.groups import Group, GroupTable
@@ -43,7 +44,7 @@ def pipeline_step(
     stage, last = pp.rank, pp.rank == pp.size - 1
     device = next(model.parameters()).device
     xs, ys = inputs.to(device).chunk(micro_batches), targets.to(device).chunk(micro_batches)
-    pending: list[tuple[object, torch.Tensor]] = []  # (work, tensor kept alive until waited)
+    pending: list[tuple[dist.Work, torch.Tensor]] = []  # (work, tensor kept alive until waited)
     saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     total = 0.0
 
@@ -72,7 +73,7 @@ def pipeline_step(
             grad = torch.empty_like(out)
             pp.recv(grad, stage + 1, tag=micro_batches + i)
             out.backward(grad)
-        if inp is not None:
+        if inp is not None and inp.grad is not None:
             g = inp.grad.contiguous()
             pending.append((pp.send(g, stage - 1, tag=micro_batches + i), g))
 

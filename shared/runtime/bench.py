@@ -1,0 +1,140 @@
+"""Benchmark of planned migration (not a test): downtime, its phases, delta vs full rebuild.
+
+    python -m trainmover.runtime.bench --json bench.json [--repeats 3] [--config job.yaml]
+
+Runs the reference job (TP2 x PP2 x DP2 by default) on loopback and migrates the
+machine serving cell (dp 0, pp 0) again and again to a fresh standby, alternating a
+delta plan (only the leaver's groups) and a full plan (every group of the job, the
+baseline). Each migration commits `margin` steps past the furthest rank once phase 1 is
+ready, without holding training, as the executor would.
+
+Downtime follows DESIGN.md: from the end of the last step before the switch (step k, the
+last rank to finish it) to the end of the first step after it (k + 1, last rank), minus
+one normal step (the median step period before the event). Phases: prepare (phase 1,
+off the critical path), commit (control round trip), transfer (leaver -> joiner state),
+first step (joiner restored -> step k + 1 done everywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from trainmover.runtime.config import JobConfig, load_config
+from trainmover.runtime.driver import LocalJob, MigrationReport
+from trainmover.runtime.layout import MachineRole
+
+CELL = MachineRole(dp=0, pp=0)
+
+
+def _step_end(job: LocalJob, step: int) -> float:
+    """When the last rank finished `step`."""
+    return max(e.t_end for e in job.steps[step].values())
+
+
+def _normal_step(job: LocalJob, first: int, last: int) -> float:
+    periods = [_step_end(job, s) - _step_end(job, s - 1) for s in range(first + 1, last + 1)]
+    return statistics.median(periods)
+
+
+def measure(job: LocalJob, report: MigrationReport, steady_from: int, steady_to: int) -> dict:
+    k = report.commit_step
+    job.wait_step(k + 1)
+    normal = _normal_step(job, steady_from, steady_to)
+    before, after = _step_end(job, k), _step_end(job, k + 1)
+    joiners = [e for e in report.switched.values() if e.part == "joiner"]
+    leavers = [e for e in report.switched.values() if e.part == "leaver"]
+    restored = max(e.t_end for e in joiners)
+    return {
+        "mode": "full" if len(report.plan.groups) == len(job.layout.all_groups()) else "delta",
+        "plan_id": report.plan.plan_id,
+        "commit_step": k,
+        "groups_rebuilt": len(report.plan.groups),
+        "ranks_involved": len(report.switched),
+        "normal_step_s": normal,
+        "downtime_s": after - before - normal,
+        "phases_s": {
+            "prepare": report.ready_at - report.prepare_sent,
+            "commit": report.commit_acked - report.commit_sent,
+            "transfer": restored - min(e.t_start for e in leavers),
+            "first_step": after - restored,
+        },
+        "group_build_s": max(r.build_s for r in report.ready.values()),
+        "transfer_bytes_per_rank": max(e.transfer_bytes for e in joiners),
+    }
+
+
+def run(config: JobConfig, repeats: int, margin: int, warm_steps: int, run_dir: Path) -> dict:
+    migrations: list[dict[str, Any]] = []
+    modes = [full for _ in range(repeats) for full in (False, True)]
+    # Open-ended: the benchmark holds and ends the job with limits, not a step count.
+    config = config.with_updates(train={"steps": 1_000_000, "dump_steps": []})
+    started = time.time()
+    with LocalJob.launch(config, run_dir, standbys=1, limit=1, timeout_s=600) as job:
+        for i, full in enumerate(modes):
+            # The job is held while the next standby starts (its start-up would disturb
+            # the step period), then runs a steady window before the event.
+            job.wait_connected()
+            steady_from = job.current_step() + 2
+            job.set_limit(steady_from + warm_steps + 10 * margin + 50)
+            job.wait_step(steady_from + warm_steps)
+            leaver = next(m for m, cell in job.assignment.items() if cell == CELL)
+            report = job.migrate({leaver: job.standbys[0]}, margin=margin, full=full)
+            job.set_limit(max(job.limit, report.commit_step + 2))
+            migrations.append(measure(job, report, steady_from, report.commit_step))
+            if i + 1 < len(modes):
+                job.set_limit(job.current_step() + 1)
+                job.add_standbys(1)
+        job.stop_at(job.limit)
+    return {
+        "benchmark": "planned_migration",
+        "layout": config.layout.model_dump(),
+        "model": config.model.model_dump(),
+        "repeats": repeats,
+        "margin_steps": margin,
+        "wall_s": time.time() - started,
+        "migrations": migrations,
+        "summary": {
+            mode: summarize([m for m in migrations if m["mode"] == mode])
+            for mode in ("delta", "full")
+        },
+    }
+
+
+def summarize(rows: list[dict]) -> dict:
+    med = statistics.median
+    return {
+        "count": len(rows),
+        "downtime_s": med(r["downtime_s"] for r in rows),
+        "normal_step_s": med(r["normal_step_s"] for r in rows),
+        "group_build_s": med(r["group_build_s"] for r in rows),
+        "groups_rebuilt": med(r["groups_rebuilt"] for r in rows),
+        "phases_s": {p: med(r["phases_s"][p] for r in rows) for p in rows[0]["phases_s"]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True, type=Path, help="where to write results")
+    parser.add_argument("--config", type=Path, help="job config (YAML/JSON); default TP2xPP2xDP2")
+    parser.add_argument("--repeats", type=int, default=3, help="migrations per mode")
+    parser.add_argument("--margin", type=int, default=3, help="commit step = furthest + margin")
+    parser.add_argument("--warm-steps", type=int, default=10, help="steady steps before each")
+    parser.add_argument("--run-dir", type=Path, help="logs and states (default: a temp dir)")
+    args = parser.parse_args(argv)
+    config = load_config(args.config) if args.config else JobConfig(job="bench")
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-bench-"))
+    result = run(config, args.repeats, args.margin, args.warm_steps, run_dir)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

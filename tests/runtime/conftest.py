@@ -1,0 +1,127 @@
+"""Shared real-process runs of the reference job (TP2 x PP2 x DP2, 4 machines x 2 ranks).
+
+Process start-up dominates on these machines (~5 s of CPU per worker), so each run is
+started once per session and inspected by several tests:
+
+- `reference_run`: the uninterrupted job, 100 steps, no standby.
+- `migrated_run`: the same job and seed with four standby machines and three planned
+  migrations in a row, each committed at a chosen step: the first-stage machine of
+  replica 0, then the last-stage machine of replica 1, then two machines at once (the
+  remaining ones: last stage of replica 0, first stage of replica 1), whose stayers are
+  the earlier joiners.
+
+Both runs dump every role's full state after the steps in `DUMP_STEPS` (each a few steps
+after a switch), so a broken migration shows at the first dump after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from trainmover.runtime import control as c
+from trainmover.runtime.config import JobConfig
+from trainmover.runtime.driver import LocalJob
+from trainmover.runtime.plan import Plan, RankRef
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    moves: dict[str, str]
+    #: Training is held at `prepare_at` while phase 1 starts, and at `switch_at` for the
+    #: commit: both steps are then exact, whatever the machine's speed.
+    prepare_at: int
+    switch_at: int
+    #: The first dump after the switch.
+    check_at: int
+    #: Stayers get the plan before the joiner (see `migrate_staggered`); otherwise the
+    #: driver's own `LocalJob.migrate(moves, at_step=switch_at)` runs it.
+    staggered: bool = True
+
+
+SCENARIOS = [
+    Scenario("first stage, replica 0", {"m0": "s0"}, 4, 10, 14),
+    Scenario("last stage, replica 1", {"m3": "s1"}, 10, 18, 22),
+    Scenario("two machines at once", {"m1": "s2", "m2": "s3"}, 18, 26, 40, staggered=False),
+]
+DUMP_STEPS = [s.check_at for s in SCENARIOS]
+MIGRATED_STEPS = 40
+#: Generous bound on any one wait: the 2 shared cores are sometimes heavily loaded by
+#: other jobs, and ~10 workers importing torch at once then take minutes.
+WAIT_S = 400.0
+
+CONFIG = JobConfig(job="runtime-test").with_updates(
+    train={"steps": 100, "dump_steps": DUMP_STEPS}, runtime={"group_timeout_s": 60}
+)
+
+
+@dataclass
+class Migration:
+    scenario: Scenario
+    plan: Plan
+    before: dict[RankRef, c.RankStatus]
+    after: dict[RankRef, c.RankStatus]
+    ready: dict[RankRef, c.Ready]
+    switched: dict[RankRef, c.Switched]
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    losses: dict[int, float]
+    migrations: list[Migration] = field(default_factory=list)
+
+    def state_file(self, role_key: str, step: int) -> Path:
+        return self.run_dir / "state" / f"{role_key}.step{step}.pt"
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run_dir = tmp_path_factory.mktemp("reference")
+    with LocalJob.launch(CONFIG, run_dir, standbys=0, timeout_s=WAIT_S) as job:
+        job.finish()
+        return Run(run_dir, job.losses())
+
+
+def migrate_staggered(job: LocalJob, scenario: Scenario) -> tuple[Plan, dict, dict]:
+    """Phase 1 with a provable overlap: the stayers get the plan first and the joiner and
+    leaver only once the stayers completed two more steps. Every delta group contains a
+    joiner rank, so the stayers' phase 1 is still running while they train those steps.
+    The commit is sent while the job is held at the switch step, so it is exact."""
+    plan = job.make_plan(scenario.moves)
+    job.prepare(plan, machines=plan.stayers())
+    job.set_limit(scenario.switch_at)
+    job.wait_step(scenario.prepare_at + 2, machines=plan.stayers())
+    job.prepare(plan, machines=plan.leavers() | plan.joiners())
+    ready = job.wait_ready(plan)
+    job.wait_step(scenario.switch_at)
+    job.commit(plan, scenario.switch_at)
+    return plan, ready, job.wait_switched(plan)
+
+
+def migrate(job: LocalJob, scenario: Scenario) -> Migration:
+    job.wait_step(scenario.prepare_at)
+    before = job.status()
+    if scenario.staggered:
+        plan, ready, switched = migrate_staggered(job, scenario)
+    else:
+        report = job.migrate(scenario.moves, at_step=scenario.switch_at)
+        plan, ready, switched = report.plan, report.ready, report.switched
+        assert report.commit_step == scenario.switch_at
+    return Migration(scenario, plan, before, job.status(), ready, switched)
+
+
+@pytest.fixture(scope="session")
+def migrated_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run_dir = tmp_path_factory.mktemp("migrated")
+    config = CONFIG.with_updates(train={"steps": MIGRATED_STEPS})
+    joiners = sum(len(s.moves) for s in SCENARIOS)
+    with LocalJob.launch(config, run_dir, standbys=joiners, limit=SCENARIOS[0].prepare_at) as job:
+        run = Run(run_dir, {})
+        for scenario in SCENARIOS:
+            run.migrations.append(migrate(job, scenario))
+        job.finish()
+        run.losses = job.losses()
+        return run
