@@ -29,7 +29,14 @@ from pydantic import ConfigDict, Field
 
 from trainmover import bus
 from trainmover.logs import get_logger
-from trainmover.messages import Command, CommandOp, Message, MigrationProgress, Plan
+from trainmover.messages import (
+    Command,
+    CommandOp,
+    Message,
+    MigrationProgress,
+    MigrationState,
+    Plan,
+)
 
 log = get_logger("executor")
 
@@ -216,7 +223,7 @@ class Migration:
         self.record.step = step
         await self._save(self.record)
 
-    async def _progress(self, state: str, detail: str, final: bool = False) -> None:
+    async def _progress(self, state: MigrationState, detail: str, final: bool = False) -> None:
         await self._publish(
             MigrationProgress(
                 job=self.plan.job,
@@ -225,7 +232,7 @@ class Migration:
                 state=state,
                 detail=detail,
                 leaver=self.leaver,
-                joiner=self.joiner,  # type: ignore[arg-type]
+                joiner=self.joiner,
                 downtime_s=self.record.phases.get("downtime") if final else None,
                 phases=dict(self.record.phases) if final else {},
             )

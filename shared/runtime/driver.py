@@ -14,10 +14,7 @@ at once with the tail of its log instead of letting it run into its deadline.
 from __future__ import annotations
 
 import itertools
-import subprocess
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +26,10 @@ from trainmover.runtime.config import JobConfig, save_config
 from trainmover.runtime.launcher import ControlServer, RendezvousHost, spawn_worker
 from trainmover.runtime.layout import MachineRole, Role
 from trainmover.runtime.plan import Plan, RankRef, compute_delta, group_specs
+from trainmover.runtime.supervisor import RankTracker, stop_processes
 
 REFERENCE_ENTRY = "trainmover.runtime.reference"
 T = TypeVar("T")
-
-
-class WorkerDied(RuntimeError):
-    """A worker process exited unexpectedly."""
 
 
 @dataclass
@@ -82,20 +76,21 @@ class LocalJob:
         self._plan_ids = itertools.count(1)
         self._standby_ids = itertools.count(0)
 
-        self._cond = threading.Condition()
-        self.last_step: dict[RankRef, int] = {}
-        #: step -> rank -> (t_end, seconds, loss)
-        self.steps: dict[int, dict[RankRef, c.StepDone]] = defaultdict(dict)
-        self.ready: dict[str, dict[RankRef, c.Ready]] = defaultdict(dict)
-        self.switched: dict[str, dict[RankRef, c.Switched]] = defaultdict(dict)
-        self.failed: dict[str, dict[RankRef, c.PlanFailed]] = defaultdict(dict)
-        self.exited: dict[RankRef, c.Exited] = {}
-        self.procs: dict[RankRef, subprocess.Popen[bytes]] = {}
+        #: What the workers reported, and their processes.
+        self.tracker = RankTracker(self.run_dir)
+        t = self.tracker
+        self.last_step, self.steps, self.exited, self.procs = (
+            t.last_step,
+            t.steps,
+            t.exited,
+            t.procs,
+        )
+        self.ready, self.switched, self.failed = t.ready, t.switched, t.failed
 
         self._config_path = save_config(config, self.run_dir / "job.json")
         self._rendezvous = None if store_address else RendezvousHost()
         self.store_address = store_address or self._rendezvous.address  # type: ignore[union-attr]
-        self.control = ControlServer(self._welcome, self._on_event)
+        self.control = ControlServer(self._welcome, self.tracker.on_event)
         try:
             for machine in self.assignment:
                 self._spawn_machine(machine)
@@ -120,8 +115,11 @@ class LocalJob:
     def _spawn_machine(self, machine: str) -> None:
         for local_rank in range(self.layout.ranks_per_machine):
             ref = RankRef(machine=machine, local_rank=local_rank)
-            self.procs[ref] = spawn_worker(
-                ref, self.entry, self.control.address, self._config_path, self.run_dir
+            self.tracker.add_process(
+                ref,
+                spawn_worker(
+                    ref, self.entry, self.control.address, self._config_path, self.run_dir
+                ),
             )
 
     def add_standbys(self, count: int) -> list[str]:
@@ -153,18 +151,7 @@ class LocalJob:
                     self.control.request(ref, c.Stop(), timeout_s=2)
                 except Exception:
                     pass
-        deadline = time.monotonic() + 10
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs.values())
         self.control.close()
         if self._rendezvous is not None:
             self._rendezvous.close()
@@ -197,49 +184,12 @@ class LocalJob:
             store=self.store_address,
         )
 
-    def _on_event(self, ref: RankRef, msg: c.Message) -> None:
-        with self._cond:
-            if isinstance(msg, c.StepDone):
-                self.last_step[ref] = msg.step
-                self.steps[msg.step][ref] = msg
-            elif isinstance(msg, c.Ready):
-                self.ready[msg.plan_id][ref] = msg
-            elif isinstance(msg, c.Switched):
-                self.switched[msg.plan_id][ref] = msg
-                # A joiner starts out having completed the leaver's steps.
-                self.last_step[ref] = max(self.last_step.get(ref, 0), msg.step)
-            elif isinstance(msg, c.PlanFailed):
-                self.failed[msg.plan_id][ref] = msg
-            elif isinstance(msg, c.Exited):
-                self.exited[ref] = msg
-            self._cond.notify_all()
-
     def _wait(self, predicate: Callable[[], T], timeout_s: float | None, what: str) -> T:
         """Waits for `predicate` to be truthy, failing fast if a worker died."""
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        with self._cond:
-            while True:
-                result = predicate()
-                if result:
-                    return result
-                self._check_alive()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"timed out waiting for {what}")
-                # Woken by every worker event; the cap only bounds how late a silent
-                # process death is noticed.
-                self._cond.wait(min(remaining, 0.5))
+        return self.tracker.wait(predicate, timeout_s or self.timeout_s, what)
 
     def _check_alive(self) -> None:
-        for ref, proc in self.procs.items():
-            code = proc.poll()
-            exited = self.exited.get(ref)
-            if code is None:
-                continue
-            if code != 0 or (exited is not None and exited.reason == "error"):
-                log = self.run_dir / "logs" / f"{ref.machine}-{ref.local_rank}.log"
-                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-                raise WorkerDied(f"{ref} exited with {code}:\n{tail}")
+        self.tracker.check_alive()
 
     # -- training progress -------------------------------------------------------------
 
@@ -261,8 +211,7 @@ class LocalJob:
         )
 
     def current_step(self) -> int:
-        with self._cond:
-            return max((self.last_step.get(r, 0) for r in self.ranks()), default=0)
+        return max((self.tracker.step_of(r) for r in self.ranks()), default=0)
 
     def status(self) -> dict[RankRef, c.RankStatus]:
         return {

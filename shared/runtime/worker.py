@@ -252,7 +252,7 @@ class Runtime:
             transfer = self._transfer_group(built)
             stats = self._state.send(transfer, peer=1)
             transfer.shutdown()
-            closed = [g["name"] for g in self.groups.snapshot().values()]
+            closed = [str(g["name"]) for g in self.groups.snapshot().values()]
             self.groups.shutdown()
             self._finish_migration(
                 c.Switched(

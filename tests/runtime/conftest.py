@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.driver import LocalJob

@@ -4,6 +4,7 @@ import queue
 import socket
 
 import pytest
+
 from trainmover.runtime import control as c
 
 

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from torch.distributed import TCPStore
+
 from trainmover.runtime.data import TokenStream
 from trainmover.runtime.groups import (
     GroupBuilder,

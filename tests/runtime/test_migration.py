@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from trainmover.runtime.state import load_saved
 
 from .conftest import CONFIG, SCENARIOS, Migration, Run

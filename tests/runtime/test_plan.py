@@ -3,6 +3,7 @@
 import sys
 
 import pytest
+
 from trainmover.runtime.layout import Layout, MachineRole, Role
 from trainmover.runtime.plan import RankRef, compute_delta, group_specs
 
