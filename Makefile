@@ -21,7 +21,7 @@ test: install
 	$(PY) -m pytest -q
 
 demo: install
-	$(VENV)/bin/trainmover demo
+	$(VENV)/bin/trainmover demo --json demo.json
 
 bench: install
 	$(VENV)/bin/trainmover bench

@@ -213,6 +213,11 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("name", choices=SERVICES)
     sv.add_argument("args", nargs=argparse.REMAINDER, help="the service's own options")
 
+    dm = sub.add_parser("demo", help="the main job on the embedded default, with migrations")
+    dm.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    dm.add_argument("--steps", type=int, default=400, help="training steps of the job")
+    dm.add_argument("--workdir", help="where runs and logs go (default: temporary)")
+
     sub.add_parser("version", help="print the version")
     return p
 
@@ -234,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "version":
             print(f"trainmover {__version__}")
             return 0
+        if args.command == "demo":
+            from trainmover import demo
+
+            return demo.main(args.json, args.steps, args.workdir)
         if args.command == "service":
             extra = (["--nats-url", args.nats_url] if args.nats_url else []) + args.args
             return service_main(args.name)(extra)

@@ -270,6 +270,10 @@ class MigrationProgress(Message):
     joiner: Name | None = None
     downtime_s: float | None = None
     phases: dict[str, float] = Field(default_factory=dict)
+    groups_rebuilt: list[str] = Field(
+        default_factory=list, description="the delta: groups rebuilt by the migration"
+    )
+    groups_total: int | None = Field(default=None, description="groups of the whole job")
     ts: float = Field(default_factory=now)
 
 

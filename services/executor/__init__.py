@@ -44,7 +44,11 @@ def _build(args: argparse.Namespace) -> OnBus:
         "executor",
         args,
         lambda nc: ExecutorService(
-            nc, args.config.job, margin=args.margin, timeout_s=args.command_timeout
+            nc,
+            args.config.job,
+            margin=args.margin,
+            timeout_s=args.command_timeout,
+            groups_total=len(args.config.layout.all_groups()),
         ),
     )
 

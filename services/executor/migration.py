@@ -55,6 +55,7 @@ class MigrationRecord(Message):
     started_ts: float = Field(default_factory=time.time)
     phases: dict[str, float] = Field(default_factory=dict)
     results: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    groups_total: int | None = None
     error: str | None = None
 
 
@@ -235,6 +236,8 @@ class Migration:
                 joiner=self.joiner,
                 downtime_s=self.record.phases.get("downtime") if final else None,
                 phases=dict(self.record.phases) if final else {},
+                groups_rebuilt=sorted(g.name for g in self.plan.groups) if final else [],
+                groups_total=self.record.groups_total if final else None,
             )
         )
 

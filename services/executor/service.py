@@ -39,6 +39,7 @@ class ExecutorService:
         *,
         margin: int = 2,
         timeout_s: float = 120.0,
+        groups_total: int | None = None,
         metrics: Registry | None = None,
     ) -> None:
         self._nc = nc
@@ -47,6 +48,7 @@ class ExecutorService:
         self._subjects = JobSubjects(job)
         self.margin = margin
         self.timeout_s = timeout_s
+        self.groups_total = groups_total
         self._kv: KeyValue | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -151,7 +153,7 @@ class ExecutorService:
             return
         except KeyNotFoundError:
             pass
-        record = MigrationRecord(plan=plan)
+        record = MigrationRecord(plan=plan, groups_total=self.groups_total)
         await self._kv.put(key, record.to_json())
         await msg.ack()
         log.info(

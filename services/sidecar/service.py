@@ -262,13 +262,14 @@ class Sidecar:
                 self._status = "active"
             return result
         if op == "release":
-            return await self._release(plan)
+            return await self._release(plan, timeout)
         raise ValueError(f"unsupported op {op!r}")
 
-    async def _release(self, plan: Plan) -> dict[str, object]:
-        """The leaver's workers are gone: maintenance, then back as a standby."""
+    async def _release(self, plan: Plan, timeout: float) -> dict[str, object]:
+        """After the leaver's switch: its workers exit, maintenance, then back as a standby."""
         if not any(m.leaver == self.machine for m in plan.moves):
             return {"released": False}
+        await asyncio.to_thread(self.workers.wait_exited, timeout)
         self._status = "maintenance"
         self._beat_now.set()
         self._tasks.append(asyncio.create_task(self._return_after_maintenance()))

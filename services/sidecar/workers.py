@@ -216,8 +216,6 @@ class MachineWorkers:
             refs,
         )
         switched = self.tracker.switched[plan.plan_id]
-        if any(switched[r].part == "leaver" for r in refs):
-            self.tracker.wait(lambda: not self.running(), timeout_s, "leaver workers to exit")
         return {
             "parts": sorted({switched[r].part for r in refs}),
             "rebuilt": sorted({g for r in refs for g in switched[r].rebuilt}),
@@ -226,6 +224,13 @@ class MachineWorkers:
             "transfer_bytes": sum(switched[r].transfer_bytes for r in refs),
             "transfer_s": max(switched[r].transfer_s for r in refs),
         }
+
+    def wait_exited(self, timeout_s: float) -> None:
+        """Until every worker process of this machine is gone (a leaver after its switch:
+        interpreter teardown with torch takes seconds, off the critical path)."""
+        self.tracker.wait(
+            lambda: not self.running(), timeout_s, f"{self.machine}'s workers to exit"
+        )
 
     def step_times(self, step: int, timeout_s: float) -> dict[str, object]:
         """Waits until every live rank finished `step`; returns end times and step lengths."""

@@ -6,16 +6,28 @@ optimizer state are bit-identical to the uninterrupted reference run.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from tests.e2e.conftest import WAIT_S, Cluster
+from tests.e2e.conftest import STEPS, WAIT_S
+from trainmover.client import MachineLeaving, UnknownMachine
+from trainmover.localcluster import LocalCluster as Cluster
+from trainmover.messages import DrainEvent, MigrationProgress
 
 pytestmark = pytest.mark.timeout(900)
 
 
 async def test_drain_through_the_client(cluster: Cluster, reference) -> None:
-    await cluster.wait_step("m1", 10)
+    await cluster.wait_step("m1", 10, WAIT_S)
+    with pytest.raises(UnknownMachine, match="unknown machine 'm9'"):
+        await cluster.client.drain(cluster.job, "m9")
     event_id = await cluster.client.drain(cluster.job, "m1", reason="driver update")
+    # Once the planner decided, a second drain of the machine on its way out is refused.
+    decided = await cluster.wait_state(lambda s: event_id in s.handled, WAIT_S)
+    assert decided.machines["m1"].status in ("leaving", "maintenance")
+    with pytest.raises(MachineLeaving):
+        await cluster.client.drain(cluster.job, "m1", reason="twice")
     done = await cluster.client.wait_for_migration(cluster.job, event_id, timeout=WAIT_S)
     assert done.state == "done", done.detail
     assert (done.leaver, done.joiner) == ("m1", "s0")
@@ -26,11 +38,54 @@ async def test_drain_through_the_client(cluster: Cluster, reference) -> None:
     assert state.machines["s0"].cell == cluster.stack.config.layout.cells()[1]
     # The joiner trains on: its steps go past the switch step.
     switch_step = max(cluster.steps.values())
-    await cluster.wait_step("s0", switch_step + 5)
+    await cluster.wait_step("s0", switch_step + 5, WAIT_S)
 
     # The drained machine comes back from maintenance, warm, as a standby.
-    back = await cluster.wait_state(lambda s: s.machines["m1"].status == "standby")
+    back = await cluster.wait_state(lambda s: s.machines["m1"].status == "standby", WAIT_S)
     assert back.machines["m1"].warm_role_types == ["first", "last"]
 
-    await cluster.wait_finished(["m0", "s0", "m2", "m3"])
-    assert cluster.final_mismatches(reference) == []
+    assert await cluster.wait_finished(WAIT_S) == ["m0", "m2", "m3", "s0"]
+    assert cluster.mismatches(reference, STEPS) == []
+
+
+async def _progress_reaches(cluster: Cluster, event_id: str, state: str) -> MigrationProgress:
+    async with cluster.client.watch(cluster.job, from_start=True) as items:
+        async for item in items:
+            if (
+                isinstance(item, MigrationProgress)
+                and item.event_id == event_id
+                and item.state == state
+            ):
+                return item
+    raise AssertionError("watch ended")
+
+
+async def test_services_restarted_mid_migration_complete_it(cluster: Cluster, reference) -> None:
+    await cluster.wait_step("m0", 10, WAIT_S)
+    # The executor dies as phase 1 starts; its successor resumes the record.
+    first = await cluster.client.drain(cluster.job, "m0", reason="executor restart")
+    await asyncio.wait_for(_progress_reaches(cluster, first, "phase1"), WAIT_S)
+    await cluster.stack.restart_service("executor")
+    done = await cluster.client.wait_for_migration(cluster.job, first, timeout=WAIT_S)
+    assert done.state == "done", done.detail
+
+    # The planner dies right after publishing its plan; its successor learns the end of
+    # the migration from the durable progress stream.
+    second = await cluster.client.drain(cluster.job, "m3", reason="planner restart")
+    await asyncio.wait_for(_progress_reaches(cluster, second, "planned"), WAIT_S)
+    await cluster.stack.restart_service("planner")
+    done = await cluster.client.wait_for_migration(cluster.job, second, timeout=WAIT_S)
+    assert done.state == "done", done.detail
+    state = await cluster.wait_state(
+        lambda s: s.machines["s1"].status == "active" and not s.in_flight
+    )
+    assert state.machines["s0"].status == "active"
+    assert {state.machines[m].status for m in ("m0", "m3")} <= {"maintenance", "standby"}
+
+    # A retried publish of an old event changes nothing.
+    retry = DrainEvent(event_id=first, job=cluster.job, machine="m0", reason="retry")
+    await cluster.nc.jetstream().publish(f"tm.{cluster.job}.events.drain", retry.to_json())
+    assert await cluster.wait_finished(WAIT_S) == ["m1", "m2", "s0", "s1"]
+    after = await cluster.client.status(cluster.job)
+    assert after.machines["s0"].status == "active"
+    assert cluster.mismatches(reference, STEPS) == []

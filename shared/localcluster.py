@@ -1,0 +1,145 @@
+"""A local cluster to drive and observe: the stack of `trainmover up` plus a bus client.
+
+Used by `trainmover demo` and the end-to-end tests: it starts the whole system as
+separate processes (embedded nats-server, planner, executor, health-monitor, one sidecar
+per machine with its worker processes), follows the job's step statistics, and offers
+waits on what the system publishes (a step reached, a cluster state, the end of
+training), each with a deadline and none by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from trainmover import bus
+from trainmover.client import TrainMoverClient
+from trainmover.messages import ClusterState, Heartbeat, StepStats, decode
+from trainmover.runtime.compare import mismatches, state_files
+from trainmover.runtime.config import JobConfig, save_config
+from trainmover.stack import Stack
+from trainmover.subjects import STATE_KEY, JobSubjects
+
+#: Fast signals for a local cluster: heartbeats every 0.2 s, a machine is dead after 2 s.
+FAST_SIGNALS: dict[str, list[str]] = {
+    "sidecar": ["--heartbeat-interval", "0.2"],
+    "health-monitor": ["--heartbeat-interval", "0.2", "--heartbeat-timeout-intervals", "10"],
+}
+
+
+class LocalCluster:
+    """The stack for `config`, started in `workdir`; an async context manager."""
+
+    def __init__(
+        self, config: JobConfig, workdir: Path, service_args: dict[str, list[str]] | None = None
+    ) -> None:
+        self.config = config
+        self.job = config.job
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        config_path = save_config(config, workdir / "job.json")
+        self.stack = Stack(
+            job_config=str(config_path),
+            run_dir=workdir / "run",
+            service_args=service_args or FAST_SIGNALS,
+        )
+        self.steps: dict[str, int] = {}
+        self._stepped = asyncio.Condition()
+        self._nc: NatsClient | None = None
+        self._client: TrainMoverClient | None = None
+
+    @property
+    def nc(self) -> NatsClient:
+        assert self._nc is not None, "cluster not started"
+        return self._nc
+
+    @property
+    def client(self) -> TrainMoverClient:
+        assert self._client is not None, "cluster not started"
+        return self._client
+
+    async def __aenter__(self) -> LocalCluster:
+        await self.stack.__aenter__()
+        try:
+            self._nc = await bus.connect(self.stack.url, "local-cluster")
+            await self._nc.subscribe(JobSubjects(self.job).all_stats, cb=self._on_stats)
+            self._client = TrainMoverClient(self._nc)
+        except BaseException:
+            await self.stack.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+        await self.stack.__aexit__(et, ev, tb)
+
+    async def _on_stats(self, msg: Msg) -> None:
+        stats = decode(StepStats, msg.data)
+        async with self._stepped:
+            self.steps[stats.machine] = max(self.steps.get(stats.machine, -1), stats.step)
+            self._stepped.notify_all()
+
+    # --- waits -----------------------------------------------------------------------------
+
+    async def wait_step(self, machine: str, step: int, timeout: float) -> None:
+        """Until `machine` reported a step >= `step` (its step statistics)."""
+        async with self._stepped:
+            await asyncio.wait_for(
+                self._stepped.wait_for(lambda: self.steps.get(machine, -1) >= step), timeout
+            )
+
+    async def wait_state(
+        self, predicate: Callable[[ClusterState], bool], timeout: float
+    ) -> ClusterState:
+        """Until the planner's cluster state satisfies `predicate`; returns that state."""
+        kv = await bus.job_bucket(self.nc.jetstream(), self.job)
+        watcher = await kv.watch(STATE_KEY)
+
+        async def reached() -> ClusterState:
+            async for entry in watcher:
+                if entry is not None and entry.value:
+                    state = decode(ClusterState, entry.value)
+                    if predicate(state):
+                        return state
+            raise RuntimeError("the cluster state watch ended")
+
+        try:
+            return await asyncio.wait_for(reached(), timeout)
+        finally:
+            await watcher.stop()
+
+    async def wait_finished(self, timeout: float) -> list[str]:
+        """Until every worker of every active machine exited cleanly (training ended);
+        returns those machines."""
+        state = await self.client.status(self.job)
+        machines = {n for n, m in state.machines.items() if m.status == "active"}
+        finished: set[str] = set()
+        done = asyncio.Event()
+
+        async def on_beat(msg: Msg) -> None:
+            beat = decode(Heartbeat, msg.data)
+            if beat.workers and all(w.state == "exited" and w.exit_code == 0 for w in beat.workers):
+                finished.add(beat.machine)
+                if finished >= machines:
+                    done.set()
+
+        sub = await self.nc.subscribe(JobSubjects(self.job).heartbeats, cb=on_beat)
+        try:
+            await asyncio.wait_for(done.wait(), timeout)
+        finally:
+            await sub.unsubscribe()
+        return sorted(machines)
+
+    def mismatches(self, reference: dict[str, Path], step: int) -> list[str]:
+        """Differences between this run's saved states after `step` and `reference`'s."""
+        return mismatches(state_files(self.stack.run_dir, step), reference)
