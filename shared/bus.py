@@ -9,6 +9,12 @@
 - `request` sends a Command and retries on timeout with the same `command_id`;
   `CommandServer` answers them and replays the reply for a command it already ran.
 - `dead_letter` records rejected input with its raw payload and reason.
+
+Credentials: `connect` presents the caller's `NatsAuth` (by default the process's, from
+the CLI flags or $TRAINMOVER_NATS_*; see trainmover.security.credentials) and, when
+credentials are configured, refuses a server that does not check them. A publish or
+subscribe the server's permissions refuse raises PermissionDenied from these helpers
+instead of timing out (trainmover.security.denials).
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ import asyncio
 import base64
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
+from nats.errors import AuthorizationError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, StorageType
@@ -33,7 +40,12 @@ from nats.js.kv import KeyValue
 from trainmover.logs import get_logger
 from trainmover.messages import Command, CommandReply, DeadLetter, Message, MessageError, decode
 from trainmover.natsserver import port_open
+from trainmover.security import credentials, denials
+from trainmover.security.credentials import NatsAuth
+from trainmover.security.denials import PermissionDenied
 from trainmover.subjects import JobSubjects
+
+__all__ = ["PermissionDenied"]
 
 log = get_logger("bus")
 
@@ -45,6 +57,14 @@ DUPLICATE_WINDOW_S = 300.0
 
 class BusUnreachable(ConnectionError):
     """No NATS server answers at the given URL."""
+
+
+class BusAuthFailed(BusUnreachable):
+    """The server refused the credentials (wrong password, unknown user or NKey)."""
+
+
+class BusNotAuthenticated(BusUnreachable):
+    """Credentials are required or configured, but the server does not check them."""
 
 
 class CommandFailed(RuntimeError):
@@ -61,6 +81,51 @@ def _servers(url: str) -> list[tuple[str, int]]:
     return out
 
 
+def _url_auth(url: str) -> NatsAuth | None:
+    """Credentials written into the URL (nats://user:password@host), if any."""
+    for part in url.split(","):
+        parsed = urlparse(part.strip() if "://" in part else f"nats://{part.strip()}")
+        if parsed.username:
+            password = unquote(parsed.password) if parsed.password is not None else None
+            if password is None:  # nats://TOKEN@host
+                return NatsAuth(token=unquote(parsed.username), source="the NATS URL")
+            return NatsAuth(user=unquote(parsed.username), password=password, source="the NATS URL")
+    return None
+
+
+def _redact_url(url: str) -> str:
+    from trainmover.logs import redact_text
+
+    return redact_text(url)
+
+
+def resolve_auth(
+    url: str,
+    auth: NatsAuth | None,
+    user: str | None = None,
+    password: str | None = None,
+    token: str | None = None,
+) -> NatsAuth:
+    """The credentials a connection presents: explicit ones, else the URL's, else the
+    process default (CLI flags or $TRAINMOVER_NATS_*)."""
+    if auth is not None:
+        return auth
+    if user or token:
+        return NatsAuth(user=user, password=password, token=token, source="arguments")
+    fallback = credentials.default()
+    from_url = _url_auth(url)
+    if from_url is not None:
+        # The URL names who connects; TLS and require-auth still come from the settings.
+        return replace(
+            from_url,
+            tls_ca=fallback.tls_ca,
+            tls_cert=fallback.tls_cert,
+            tls_key=fallback.tls_key,
+            require_auth=fallback.require_auth,
+        )
+    return fallback
+
+
 async def connect(
     url: str,
     name: str,
@@ -68,17 +133,41 @@ async def connect(
     user: str | None = None,
     password: str | None = None,
     token: str | None = None,
+    auth: NatsAuth | None = None,
     max_reconnect_attempts: int = -1,
 ) -> NatsClient:
-    """Connects to NATS at `url` (comma-separated for a cluster), or raises BusUnreachable."""
+    """Connects to NATS at `url` (comma-separated for a cluster), or raises BusUnreachable.
+
+    Presents `auth` (default: `resolve_auth`). Raises BusAuthFailed when the server
+    refuses the credentials, and BusNotAuthenticated when credentials are configured
+    (or required) but the server lets anyone in.
+    """
     servers = _servers(url)
+    shown = _redact_url(url)
+    auth = resolve_auth(url, auth, user, password, token)
+    if auth.require_auth and not auth.configured:
+        raise BusNotAuthenticated(
+            f"{name}: authentication is required but no NATS credentials are configured "
+            "(set TRAINMOVER_NATS_CREDS or pass --nats-creds)"
+        )
+    options = auth.connect_options()  # CredentialsError (bad TLS files) before any I/O
     reachable = await asyncio.gather(
         *(asyncio.to_thread(port_open, host, port, 1.0) for host, port in servers)
     )
     if not any(reachable):
-        raise BusUnreachable(f"cannot reach NATS at {url}: nothing listens there")
+        raise BusUnreachable(f"cannot reach NATS at {shown}: nothing listens there")
+    refused = denials.Denials(auth.user or "")
 
     async def on_error(err: Exception) -> None:
+        violation = refused.report(err)
+        if violation is not None:
+            log.warning(
+                "nats_permission_denied",
+                client=name,
+                action=violation.action,
+                subject=violation.subject,
+            )
+            return
         log.warning("nats_error", client=name, error=str(err))
 
     async def on_disconnect() -> None:
@@ -87,13 +176,12 @@ async def connect(
     async def on_reconnect() -> None:
         log.info("nats_reconnected", client=name)
 
+    scheme = "tls" if auth.tls else "nats"
     try:
-        return await nats.connect(
-            servers=[f"nats://{h}:{p}" for h, p in servers],
+        nc = await nats.connect(
+            servers=[f"{scheme}://{h}:{p}" for h, p in servers],
             name=name,
-            user=user,
-            password=password,
-            token=token,
+            **options,
             connect_timeout=2,
             allow_reconnect=True,
             max_reconnect_attempts=max_reconnect_attempts,
@@ -102,12 +190,61 @@ async def connect(
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
         )
+    except AuthorizationError:
+        raise BusAuthFailed(
+            f"NATS at {shown} refused the credentials of {name} ({auth.describe()}): "
+            "authorization violation (wrong password or unknown user?)"
+        ) from None
     except Exception as err:  # nats-py raises several unrelated types here
-        raise BusUnreachable(f"cannot connect to NATS at {url}: {err}") from err
+        raise BusUnreachable(f"cannot connect to NATS at {shown}: {err}") from err
+    denials.adopt(nc, refused)
+    if (auth.configured or auth.require_auth) and not nc._server_info.get("auth_required"):
+        await nc.close()
+        raise BusNotAuthenticated(
+            f"{name}: refusing the NATS server at {shown}: it accepts unauthenticated "
+            f"connections, but credentials are configured ({auth.describe()}); start it with "
+            "its authorization config (trainmover auth generate) or unset the credentials"
+        )
+    log.info("nats_connected", client=name, url=shown, auth=auth.describe())
+    return nc
+
+
+async def publish(nc: NatsClient, subject: str, data: bytes) -> None:
+    """A plain (non-JetStream) publish that raises PermissionDenied if the server
+    refuses it. Costs a round trip: use it where a refusal must not go unnoticed."""
+    refused = denials.of(nc)
+    mark = refused.count
+    await nc.publish(subject, data)
+    await nc.flush()
+    _raise_new(refused, mark, "publish", subject)
+
+
+async def subscribe(nc: NatsClient, subject: str, **kwargs: Any) -> Any:
+    """`nc.subscribe` that raises PermissionDenied if the server refuses it."""
+    refused = denials.of(nc)
+    mark = refused.count
+    sub = await nc.subscribe(subject, **kwargs)
+    await nc.flush()
+    try:
+        _raise_new(refused, mark, "subscribe", subject)
+    except PermissionDenied:
+        await sub.unsubscribe()
+        raise
+    return sub
+
+
+def _raise_new(refused: denials.Denials, mark: int, action: str, subject: str) -> None:
+    for violation in refused.since(mark):
+        if violation.action == action and violation.subject == subject.lower():
+            raise refused.error(denials.Violation(action, subject))
 
 
 async def ensure_job(js: JetStreamContext, job: str) -> KeyValue:
     """Creates the job's streams and state bucket if missing; returns the bucket."""
+    return await denials.of(js._nc).guard(_ensure_job(js, job), ["$JS.API.>"])
+
+
+async def _ensure_job(js: JetStreamContext, job: str) -> KeyValue:
     subjects = JobSubjects(job)
     for stream, subs in subjects.streams.items():
         config: dict[str, Any] = dict(
@@ -122,11 +259,15 @@ async def ensure_job(js: JetStreamContext, job: str) -> KeyValue:
             await js.update_stream(**config)
         except NotFoundError:
             await js.add_stream(**config)
-    return await job_bucket(js, job, create=True)
+    return await _job_bucket(js, job, create=True)
 
 
 async def job_bucket(js: JetStreamContext, job: str, create: bool = False) -> KeyValue:
     """The job's cluster-state bucket; raises BucketNotFoundError unless `create`."""
+    return await denials.of(js._nc).guard(_job_bucket(js, job, create), ["$JS.API.>"])
+
+
+async def _job_bucket(js: JetStreamContext, job: str, create: bool = False) -> KeyValue:
     bucket = JobSubjects(job).bucket
     try:
         return await js.key_value(bucket)
@@ -148,7 +289,9 @@ async def publish_durable(
     `msg_id` (e.g. the event id) deduplicates retries within the stream's window.
     """
     headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-    return await js.publish(subject, message.to_json(), timeout=timeout, headers=headers)
+    return await denials.of(js._nc).guard(
+        js.publish(subject, message.to_json(), timeout=timeout, headers=headers), [subject]
+    )
 
 
 async def dead_letter(
@@ -179,7 +322,9 @@ async def request(
     last = ""
     for attempt in range(1, retries + 1):
         try:
-            msg = await nc.request(subject, command.to_json(), timeout=timeout)
+            msg = await denials.of(nc).guard(
+                nc.request(subject, command.to_json(), timeout=timeout), [subject]
+            )
         except (NatsTimeout, NoRespondersError) as err:
             last = type(err).__name__
             log.info(
@@ -235,8 +380,9 @@ class CommandServer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self._sub = await self._nc.subscribe(
-            JobSubjects(self._job).command(self._machine), cb=self._on_msg
+        """Subscribes; raises PermissionDenied when this user may not take the commands."""
+        self._sub = await subscribe(
+            self._nc, JobSubjects(self._job).command(self._machine), cb=self._on_msg
         )
 
     async def stop(self) -> None:
