@@ -38,7 +38,15 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from trainmover.logs import get_logger
-from trainmover.messages import Command, CommandReply, DeadLetter, Message, MessageError, decode
+from trainmover.messages import (
+    MAX_MESSAGE_BYTES,
+    Command,
+    CommandReply,
+    DeadLetter,
+    Message,
+    MessageError,
+    decode,
+)
 from trainmover.natsserver import port_open
 from trainmover.security import credentials, denials
 from trainmover.security.credentials import NatsAuth
@@ -49,8 +57,12 @@ __all__ = ["PermissionDenied"]
 
 log = get_logger("bus")
 
-MAX_PAYLOAD = 1024 * 1024
+MAX_PAYLOAD = MAX_MESSAGE_BYTES
 """Largest message any service accepts (bytes); larger input is dead-lettered."""
+
+DEAD_LETTER_KEEP = 64 * 1024
+"""Bytes of a rejected payload kept in its dead letter: the letter itself must fit in
+MAX_PAYLOAD (base64 grows it by a third), and the head is what shows the problem."""
 
 DUPLICATE_WINDOW_S = 300.0
 
@@ -298,10 +310,14 @@ async def dead_letter(
     js: JetStreamContext, job: str, subject: str, payload: bytes, reason: str, service: str
 ) -> None:
     """Records rejected input on the job's dead-letter subject; never raises."""
+    kept = payload[:DEAD_LETTER_KEEP]
+    if len(payload) > DEAD_LETTER_KEEP:
+        reason = f"{reason} [payload truncated to {DEAD_LETTER_KEEP} of {len(payload)} bytes]"
     try:
-        text = payload[:MAX_PAYLOAD].decode()
+        text = kept.decode()
     except UnicodeDecodeError:
-        text = "base64:" + base64.b64encode(payload[:MAX_PAYLOAD]).decode()
+        text = "base64:" + base64.b64encode(kept).decode()
+    reason = reason[:4096]
     letter = DeadLetter(job=job, subject=subject, reason=reason, payload=text, service=service)
     log.warning("input_rejected", job=job, subject=subject, reason=reason, service=service)
     try:
@@ -404,6 +420,12 @@ class CommandServer:
             if len(msg.data) > MAX_PAYLOAD:
                 raise MessageError(f"payload of {len(msg.data)} bytes exceeds {MAX_PAYLOAD}")
             command = decode(Command, msg.data)
+            if command.job != self._job or command.machine != self._machine:
+                # Only this machine's commands come here; one naming another is forged
+                # or misrouted, and running it would act on the wrong machine.
+                raise MessageError(
+                    f"command names {command.job}/{command.machine} but came on {msg.subject}"
+                )
         except MessageError as err:
             await dead_letter(self._js, self._job, msg.subject, msg.data, str(err), self._service)
             if msg.reply:

@@ -171,9 +171,19 @@ class AuthStore:
         if name not in records:
             raise SecretsError(f"no user {name!r} in {self.registry_path}")
         old = records[name]
+        if tls is None:
+            tls = self._old_tls(name)
         records[name] = self._issue(old.component, old.kind, tls, rounds)
         self._save(records)
         return records[name]
+
+    def _old_tls(self, name: str) -> ClientTls | None:
+        try:
+            current = json.loads(self.creds_file(name).read_text())
+        except (OSError, ValueError):
+            return None
+        tls = ClientTls(current.get("tls_ca"), current.get("tls_cert"), current.get("tls_key"))
+        return tls if (tls.ca or tls.cert) else None
 
     def _issue(
         self, component: Component, kind: AuthKind, tls: ClientTls | None, rounds: int
