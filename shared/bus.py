@@ -227,7 +227,7 @@ async def publish(nc: NatsClient, subject: str, data: bytes) -> None:
     refused = denials.of(nc)
     mark = refused.count
     await nc.publish(subject, data)
-    await nc.flush()
+    await _round_trip(nc)
     _raise_new(refused, mark, "publish", subject)
 
 
@@ -236,13 +236,22 @@ async def subscribe(nc: NatsClient, subject: str, **kwargs: Any) -> Any:
     refused = denials.of(nc)
     mark = refused.count
     sub = await nc.subscribe(subject, **kwargs)
-    await nc.flush()
+    await _round_trip(nc)
     try:
         _raise_new(refused, mark, "subscribe", subject)
     except PermissionDenied:
         await sub.unsubscribe()
         raise
     return sub
+
+
+async def _round_trip(nc: NatsClient) -> None:
+    """Returns once the server has processed everything sent so far (and so has sent
+    any -ERR about it). nats-py writes a flush's PING straight to the socket, ahead of
+    commands still queued for its flusher task; the first flush gets those written,
+    the second PING then follows them on the wire, and its PONG follows their errors."""
+    await nc.flush()
+    await nc.flush()
 
 
 def _raise_new(refused: denials.Denials, mark: int, action: str, subject: str) -> None:
