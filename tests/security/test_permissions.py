@@ -41,7 +41,7 @@ def a_plan(job: str) -> Plan:
     )
 
 
-async def test_generated_config_is_valid_for_nats_server(secure_bus: SecureBus) -> None:
+def test_generated_config_is_valid_for_nats_server(secure_bus: SecureBus) -> None:
     result = subprocess.run(
         [str(server_binary()), "-t", "-c", str(secure_bus.store.root / "nats-server.conf")],
         capture_output=True,
