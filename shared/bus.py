@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import AuthorizationError, NoRespondersError
@@ -111,6 +111,12 @@ def _redact_url(url: str) -> str:
     return redact_text(url)
 
 
+def _is_auth_error(err: Exception) -> bool:
+    # During the first connect nats-py reports a refusal as a plain Error with the
+    # server's text; later as AuthorizationError.
+    return isinstance(err, AuthorizationError) or "authorization violation" in str(err).lower()
+
+
 def resolve_auth(
     url: str,
     auth: NatsAuth | None,
@@ -170,7 +176,16 @@ async def connect(
         raise BusUnreachable(f"cannot reach NATS at {shown}: nothing listens there")
     refused = denials.Denials(auth.user or "")
 
+    connecting = True
+    auth_failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
     async def on_error(err: Exception) -> None:
+        if connecting and _is_auth_error(err):
+            # nats-py would retry refused credentials forever (max_reconnect_attempts
+            # also bounds the first connect): give up on the first refusal instead.
+            if not auth_failed.done():
+                auth_failed.set_result(None)
+            return
         violation = refused.report(err)
         if violation is not None:
             log.warning(
@@ -189,19 +204,31 @@ async def connect(
         log.info("nats_reconnected", client=name)
 
     scheme = "tls" if auth.tls else "nats"
-    try:
-        nc = await nats.connect(
+    options["reconnect_time_wait"] = 0.2  # seconds; nats-py annotates it as int
+    nc = NatsClient()
+    attempt = asyncio.ensure_future(
+        nc.connect(
             servers=[f"{scheme}://{h}:{p}" for h, p in servers],
             name=name,
             **options,
             connect_timeout=2,
             allow_reconnect=True,
             max_reconnect_attempts=max_reconnect_attempts,
-            reconnect_time_wait=0.2,
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
         )
+    )
+    try:
+        await asyncio.wait({attempt, auth_failed}, return_when=asyncio.FIRST_COMPLETED)
+        if not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(BaseException):
+                await attempt
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise AuthorizationError
+        attempt.result()
     except AuthorizationError:
         raise BusAuthFailed(
             f"NATS at {shown} refused the credentials of {name} ({auth.describe()}): "
@@ -209,6 +236,10 @@ async def connect(
         ) from None
     except Exception as err:  # nats-py raises several unrelated types here
         raise BusUnreachable(f"cannot connect to NATS at {shown}: {err}") from err
+    finally:
+        connecting = False
+        if not auth_failed.done():
+            auth_failed.cancel()
     denials.adopt(nc, refused)
     if (auth.configured or auth.require_auth) and not nc._server_info.get("auth_required"):
         await nc.close()
