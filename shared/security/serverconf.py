@@ -152,10 +152,10 @@ def render_cluster_node(
         ServerTls(example.cert, example.key, "/etc/nats/tls/ca.pem", verify=False)
     )
     route_tls = render_tls(
-        ServerTls(example.cert, example.key, "/etc/nats/tls/ca.pem", verify=True), "  "
+        ServerTls(example.cert, example.key, "/etc/nats/tls/ca.pem", verify=True)
     )
     commented = "".join(f"# {line}\n" for line in tls_example.splitlines())
-    route_commented = "".join(f"  # {line.lstrip()}\n" for line in route_tls.splitlines())
+    route_commented = "".join(f"  # {line}\n" for line in route_tls.splitlines())
     return (
         HEADER
         + f"# Node {index + 1} of {len(hosts)}.\n"
