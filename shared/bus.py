@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import ssl
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -177,14 +178,15 @@ async def connect(
     refused = denials.Denials(auth.user or "")
 
     connecting = True
-    auth_failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    fatal: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
     async def on_error(err: Exception) -> None:
-        if connecting and _is_auth_error(err):
-            # nats-py would retry refused credentials forever (max_reconnect_attempts
-            # also bounds the first connect): give up on the first refusal instead.
-            if not auth_failed.done():
-                auth_failed.set_result(None)
+        if connecting and (_is_auth_error(err) or isinstance(err, ssl.SSLError)):
+            # nats-py would retry refused credentials or an untrusted certificate
+            # forever (max_reconnect_attempts also bounds the first connect); neither
+            # gets better by retrying, so give up at the first one.
+            if not fatal.done():
+                fatal.set_result(err)
             return
         violation = refused.report(err)
         if violation is not None:
@@ -220,26 +222,31 @@ async def connect(
         )
     )
     try:
-        await asyncio.wait({attempt, auth_failed}, return_when=asyncio.FIRST_COMPLETED)
+        racing: set[asyncio.Future[Any]] = {attempt, fatal}
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
         if not attempt.done():
             attempt.cancel()
             with contextlib.suppress(BaseException):
                 await attempt
             with contextlib.suppress(Exception):
                 await nc.close()
-            raise AuthorizationError
+            raise fatal.result()
         attempt.result()
-    except AuthorizationError:
-        raise BusAuthFailed(
-            f"NATS at {shown} refused the credentials of {name} ({auth.describe()}): "
-            "authorization violation (wrong password or unknown user?)"
+    except ssl.SSLError as err:
+        raise BusUnreachable(
+            f"TLS with NATS at {shown} failed ({auth.describe()}): {err}"
         ) from None
     except Exception as err:  # nats-py raises several unrelated types here
+        if _is_auth_error(err):
+            raise BusAuthFailed(
+                f"NATS at {shown} refused the credentials of {name} ({auth.describe()}): "
+                "authorization violation (wrong password or unknown user?)"
+            ) from None
         raise BusUnreachable(f"cannot connect to NATS at {shown}: {err}") from err
     finally:
         connecting = False
-        if not auth_failed.done():
-            auth_failed.cancel()
+        if not fatal.done():
+            fatal.cancel()
     denials.adopt(nc, refused)
     if (auth.configured or auth.require_auth) and not nc._server_info.get("auth_required"):
         await nc.close()
