@@ -202,3 +202,12 @@ async def test_up_with_auth(tmp_path: Path) -> None:
                 await bus.connect(stack.url, "anonymous", auth=NatsAuth())
     finally:
         del os.environ["TRAINMOVER_NATS_PASSWORD"]
+
+
+async def test_cli_reports_a_denied_drain(registered: SecureBus) -> None:
+    creds = str(registered.creds(f"client.{JOB_A}"))
+    args = ["--nats-url", registered.url, "--nats-creds", creds, "drain"]
+    code, out = await _run_service(*args, "jobB", "m0", env=_child_env())
+    assert code == 1 and "permission denied for client.jobA" in out, out
+    code, out = await _run_service(*args, JOB_A, "m3", env=_child_env())
+    assert code == 0, out
