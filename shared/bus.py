@@ -9,21 +9,29 @@
 - `request` sends a Command and retries on timeout with the same `command_id`;
   `CommandServer` answers them and replays the reply for a command it already ran.
 - `dead_letter` records rejected input with its raw payload and reason.
+
+Credentials: `connect` presents the caller's `NatsAuth` (by default the process's, from
+the CLI flags or $TRAINMOVER_NATS_*; see trainmover.security.credentials) and, when
+credentials are configured, refuses a server that does not check them. A publish or
+subscribe the server's permissions refuse raises PermissionDenied from these helpers
+instead of timing out (trainmover.security.denials).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import ssl
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
-import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
+from nats.errors import AuthorizationError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, StorageType
@@ -31,20 +39,45 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from trainmover.logs import get_logger
-from trainmover.messages import Command, CommandReply, DeadLetter, Message, MessageError, decode
+from trainmover.messages import (
+    MAX_MESSAGE_BYTES,
+    Command,
+    CommandReply,
+    DeadLetter,
+    Message,
+    MessageError,
+    decode,
+)
 from trainmover.natsserver import port_open
+from trainmover.security import credentials, denials
+from trainmover.security.credentials import NatsAuth
+from trainmover.security.denials import PermissionDenied
 from trainmover.subjects import JobSubjects
+
+__all__ = ["PermissionDenied"]
 
 log = get_logger("bus")
 
-MAX_PAYLOAD = 1024 * 1024
+MAX_PAYLOAD = MAX_MESSAGE_BYTES
 """Largest message any service accepts (bytes); larger input is dead-lettered."""
+
+DEAD_LETTER_KEEP = 64 * 1024
+"""Bytes of a rejected payload kept in its dead letter: the letter itself must fit in
+MAX_PAYLOAD (base64 grows it by a third), and the head is what shows the problem."""
 
 DUPLICATE_WINDOW_S = 300.0
 
 
 class BusUnreachable(ConnectionError):
     """No NATS server answers at the given URL."""
+
+
+class BusAuthFailed(BusUnreachable):
+    """The server refused the credentials (wrong password, unknown user or NKey)."""
+
+
+class BusNotAuthenticated(BusUnreachable):
+    """Credentials are required or configured, but the server does not check them."""
 
 
 class CommandFailed(RuntimeError):
@@ -61,6 +94,57 @@ def _servers(url: str) -> list[tuple[str, int]]:
     return out
 
 
+def _url_auth(url: str) -> NatsAuth | None:
+    """Credentials written into the URL (nats://user:password@host), if any."""
+    for part in url.split(","):
+        parsed = urlparse(part.strip() if "://" in part else f"nats://{part.strip()}")
+        if parsed.username:
+            password = unquote(parsed.password) if parsed.password is not None else None
+            if password is None:  # nats://TOKEN@host
+                return NatsAuth(token=unquote(parsed.username), source="the NATS URL")
+            return NatsAuth(user=unquote(parsed.username), password=password, source="the NATS URL")
+    return None
+
+
+def _redact_url(url: str) -> str:
+    from trainmover.logs import redact_text
+
+    return redact_text(url)
+
+
+def _is_auth_error(err: Exception) -> bool:
+    # During the first connect nats-py reports a refusal as a plain Error with the
+    # server's text; later as AuthorizationError.
+    return isinstance(err, AuthorizationError) or "authorization violation" in str(err).lower()
+
+
+def resolve_auth(
+    url: str,
+    auth: NatsAuth | None,
+    user: str | None = None,
+    password: str | None = None,
+    token: str | None = None,
+) -> NatsAuth:
+    """The credentials a connection presents: explicit ones, else the URL's, else the
+    process default (CLI flags or $TRAINMOVER_NATS_*)."""
+    if auth is not None:
+        return auth
+    if user or token:
+        return NatsAuth(user=user, password=password, token=token, source="arguments")
+    fallback = credentials.default()
+    from_url = _url_auth(url)
+    if from_url is not None:
+        # The URL names who connects; TLS and require-auth still come from the settings.
+        return replace(
+            from_url,
+            tls_ca=fallback.tls_ca,
+            tls_cert=fallback.tls_cert,
+            tls_key=fallback.tls_key,
+            require_auth=fallback.require_auth,
+        )
+    return fallback
+
+
 async def connect(
     url: str,
     name: str,
@@ -68,17 +152,51 @@ async def connect(
     user: str | None = None,
     password: str | None = None,
     token: str | None = None,
+    auth: NatsAuth | None = None,
     max_reconnect_attempts: int = -1,
 ) -> NatsClient:
-    """Connects to NATS at `url` (comma-separated for a cluster), or raises BusUnreachable."""
+    """Connects to NATS at `url` (comma-separated for a cluster), or raises BusUnreachable.
+
+    Presents `auth` (default: `resolve_auth`). Raises BusAuthFailed when the server
+    refuses the credentials, and BusNotAuthenticated when credentials are configured
+    (or required) but the server lets anyone in.
+    """
     servers = _servers(url)
+    shown = _redact_url(url)
+    auth = resolve_auth(url, auth, user, password, token)
+    if auth.require_auth and not auth.configured:
+        raise BusNotAuthenticated(
+            f"{name}: authentication is required but no NATS credentials are configured "
+            "(set TRAINMOVER_NATS_CREDS or pass --nats-creds)"
+        )
+    options = auth.connect_options()  # CredentialsError (bad TLS files) before any I/O
     reachable = await asyncio.gather(
         *(asyncio.to_thread(port_open, host, port, 1.0) for host, port in servers)
     )
     if not any(reachable):
-        raise BusUnreachable(f"cannot reach NATS at {url}: nothing listens there")
+        raise BusUnreachable(f"cannot reach NATS at {shown}: nothing listens there")
+    refused = denials.Denials(auth.user or "")
+
+    connecting = True
+    fatal: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
     async def on_error(err: Exception) -> None:
+        if connecting and (_is_auth_error(err) or isinstance(err, ssl.SSLError)):
+            # nats-py would retry refused credentials or an untrusted certificate
+            # forever (max_reconnect_attempts also bounds the first connect); neither
+            # gets better by retrying, so give up at the first one.
+            if not fatal.done():
+                fatal.set_result(err)
+            return
+        violation = refused.report(err)
+        if violation is not None:
+            log.warning(
+                "nats_permission_denied",
+                client=name,
+                action=violation.action,
+                subject=violation.subject,
+            )
+            return
         log.warning("nats_error", client=name, error=str(err))
 
     async def on_disconnect() -> None:
@@ -87,27 +205,105 @@ async def connect(
     async def on_reconnect() -> None:
         log.info("nats_reconnected", client=name)
 
-    try:
-        return await nats.connect(
-            servers=[f"nats://{h}:{p}" for h, p in servers],
+    scheme = "tls" if auth.tls else "nats"
+    options["reconnect_time_wait"] = 0.2  # seconds; nats-py annotates it as int
+    nc = NatsClient()
+    attempt = asyncio.ensure_future(
+        nc.connect(
+            servers=[f"{scheme}://{h}:{p}" for h, p in servers],
             name=name,
-            user=user,
-            password=password,
-            token=token,
+            **options,
             connect_timeout=2,
             allow_reconnect=True,
             max_reconnect_attempts=max_reconnect_attempts,
-            reconnect_time_wait=0.2,
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
         )
+    )
+    try:
+        racing: set[asyncio.Future[Any]] = {attempt, fatal}
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+        if not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(BaseException):
+                await attempt
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise fatal.result()
+        attempt.result()
+    except ssl.SSLError as err:
+        raise BusUnreachable(
+            f"TLS with NATS at {shown} failed ({auth.describe()}): {err}"
+        ) from None
     except Exception as err:  # nats-py raises several unrelated types here
-        raise BusUnreachable(f"cannot connect to NATS at {url}: {err}") from err
+        if _is_auth_error(err):
+            raise BusAuthFailed(
+                f"NATS at {shown} refused the credentials of {name} ({auth.describe()}): "
+                "authorization violation (wrong password or unknown user?)"
+            ) from None
+        raise BusUnreachable(f"cannot connect to NATS at {shown}: {err}") from err
+    finally:
+        connecting = False
+        if not fatal.done():
+            fatal.cancel()
+    denials.adopt(nc, refused)
+    if (auth.configured or auth.require_auth) and not nc._server_info.get("auth_required"):
+        await nc.close()
+        raise BusNotAuthenticated(
+            f"{name}: refusing the NATS server at {shown}: it accepts unauthenticated "
+            f"connections, but credentials are configured ({auth.describe()}); start it with "
+            "its authorization config (trainmover auth generate) or unset the credentials"
+        )
+    log.info("nats_connected", client=name, url=shown, auth=auth.describe())
+    return nc
+
+
+async def publish(nc: NatsClient, subject: str, data: bytes) -> None:
+    """A plain (non-JetStream) publish that raises PermissionDenied if the server
+    refuses it. Costs a round trip: use it where a refusal must not go unnoticed."""
+    refused = denials.of(nc)
+    mark = refused.count
+    await nc.publish(subject, data)
+    await _round_trip(nc)
+    _raise_new(refused, mark, "publish", subject)
+
+
+async def subscribe(nc: NatsClient, subject: str, **kwargs: Any) -> Any:
+    """`nc.subscribe` that raises PermissionDenied if the server refuses it."""
+    refused = denials.of(nc)
+    mark = refused.count
+    sub = await nc.subscribe(subject, **kwargs)
+    await _round_trip(nc)
+    try:
+        _raise_new(refused, mark, "subscribe", subject)
+    except PermissionDenied:
+        await sub.unsubscribe()
+        raise
+    return sub
+
+
+async def _round_trip(nc: NatsClient) -> None:
+    """Returns once the server has processed everything sent so far (and so has sent
+    any -ERR about it). nats-py writes a flush's PING straight to the socket, ahead of
+    commands still queued for its flusher task; the first flush gets those written,
+    the second PING then follows them on the wire, and its PONG follows their errors."""
+    await nc.flush()
+    await nc.flush()
+
+
+def _raise_new(refused: denials.Denials, mark: int, action: str, subject: str) -> None:
+    for violation in refused.since(mark):
+        if violation.action == action and violation.subject == subject.lower():
+            raise refused.error(denials.Violation(action, subject))
 
 
 async def ensure_job(js: JetStreamContext, job: str) -> KeyValue:
     """Creates the job's streams and state bucket if missing; returns the bucket."""
+    return await denials.of(js._nc).guard(_ensure_job(js, job), ["$JS.API.>"])
+
+
+async def _ensure_job(js: JetStreamContext, job: str) -> KeyValue:
     subjects = JobSubjects(job)
     for stream, subs in subjects.streams.items():
         config: dict[str, Any] = dict(
@@ -122,11 +318,15 @@ async def ensure_job(js: JetStreamContext, job: str) -> KeyValue:
             await js.update_stream(**config)
         except NotFoundError:
             await js.add_stream(**config)
-    return await job_bucket(js, job, create=True)
+    return await _job_bucket(js, job, create=True)
 
 
 async def job_bucket(js: JetStreamContext, job: str, create: bool = False) -> KeyValue:
     """The job's cluster-state bucket; raises BucketNotFoundError unless `create`."""
+    return await denials.of(js._nc).guard(_job_bucket(js, job, create), ["$JS.API.>"])
+
+
+async def _job_bucket(js: JetStreamContext, job: str, create: bool = False) -> KeyValue:
     bucket = JobSubjects(job).bucket
     try:
         return await js.key_value(bucket)
@@ -148,17 +348,23 @@ async def publish_durable(
     `msg_id` (e.g. the event id) deduplicates retries within the stream's window.
     """
     headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-    return await js.publish(subject, message.to_json(), timeout=timeout, headers=headers)
+    return await denials.of(js._nc).guard(
+        js.publish(subject, message.to_json(), timeout=timeout, headers=headers), [subject]
+    )
 
 
 async def dead_letter(
     js: JetStreamContext, job: str, subject: str, payload: bytes, reason: str, service: str
 ) -> None:
     """Records rejected input on the job's dead-letter subject; never raises."""
+    kept = payload[:DEAD_LETTER_KEEP]
+    if len(payload) > DEAD_LETTER_KEEP:
+        reason = f"{reason} [payload truncated to {DEAD_LETTER_KEEP} of {len(payload)} bytes]"
     try:
-        text = payload[:MAX_PAYLOAD].decode()
+        text = kept.decode()
     except UnicodeDecodeError:
-        text = "base64:" + base64.b64encode(payload[:MAX_PAYLOAD]).decode()
+        text = "base64:" + base64.b64encode(kept).decode()
+    reason = reason[:4096]
     letter = DeadLetter(job=job, subject=subject, reason=reason, payload=text, service=service)
     log.warning("input_rejected", job=job, subject=subject, reason=reason, service=service)
     try:
@@ -179,7 +385,9 @@ async def request(
     last = ""
     for attempt in range(1, retries + 1):
         try:
-            msg = await nc.request(subject, command.to_json(), timeout=timeout)
+            msg = await denials.of(nc).guard(
+                nc.request(subject, command.to_json(), timeout=timeout), [subject]
+            )
         except (NatsTimeout, NoRespondersError) as err:
             last = type(err).__name__
             log.info(
@@ -235,8 +443,9 @@ class CommandServer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self._sub = await self._nc.subscribe(
-            JobSubjects(self._job).command(self._machine), cb=self._on_msg
+        """Subscribes; raises PermissionDenied when this user may not take the commands."""
+        self._sub = await subscribe(
+            self._nc, JobSubjects(self._job).command(self._machine), cb=self._on_msg
         )
 
     async def stop(self) -> None:
@@ -258,6 +467,12 @@ class CommandServer:
             if len(msg.data) > MAX_PAYLOAD:
                 raise MessageError(f"payload of {len(msg.data)} bytes exceeds {MAX_PAYLOAD}")
             command = decode(Command, msg.data)
+            if command.job != self._job or command.machine != self._machine:
+                # Only this machine's commands come here; one naming another is forged
+                # or misrouted, and running it would act on the wrong machine.
+                raise MessageError(
+                    f"command names {command.job}/{command.machine} but came on {msg.subject}"
+                )
         except MessageError as err:
             await dead_letter(self._js, self._job, msg.subject, msg.data, str(err), self._service)
             if msg.reply:

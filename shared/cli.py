@@ -19,6 +19,9 @@ from trainmover.bus import BusUnreachable
 from trainmover.client import TrainMoverClient, TrainMoverError
 from trainmover.messages import TERMINAL_STATES, MessageError, MigrationProgress
 from trainmover.natsserver import NatsServerError
+from trainmover.security import credentials
+from trainmover.security.credentials import CredentialsError
+from trainmover.security.denials import PermissionDenied
 from trainmover.subjects import InvalidName, check_name
 
 SERVICES = ("health-monitor", "planner", "executor", "sidecar")
@@ -136,14 +139,19 @@ async def _up(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    machines = args.auth_machines.split(",") if args.auth_machines else None
     async with Stack(
         nats_url=args.nats_url,
         store_dir=args.store_dir,
         job_config=args.job_config,
         run_dir=args.run_dir,
         fixed_ports=True,
+        auth=args.auth,
+        auth_machines=machines,
     ) as stack:
         print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
+        if stack.operator_creds is not None:
+            print(f"export TRAINMOVER_NATS_CREDS={stack.operator_creds}", flush=True)
         print(
             f"trainmover up: running {', '.join(stack.running) or 'bus only'}; "
             "Ctrl-C stops everything",
@@ -170,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", help="NATS server(s); default $TRAINMOVER_NATS_URL")
     p.add_argument("--log-format", choices=["json", "console"], help="log line format")
     p.add_argument("--log-level", default=None, help="debug, info, warning, error")
+    credentials.add_arguments(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_wait(sp: argparse.ArgumentParser) -> None:
@@ -208,6 +217,19 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--store-dir", help="JetStream state directory (default: temporary)")
     u.add_argument("--job-config", help="job config file: starts its local cluster too")
     u.add_argument("--run-dir", help="where machines keep worker logs (default: temporary)")
+    u.add_argument(
+        "--auth",
+        action="store_true",
+        help="generate per-component credentials and run the bus with least-privilege users",
+    )
+    u.add_argument(
+        "--auth-machines",
+        metavar="M1,M2",
+        help="machines that get sidecar credentials (default: the job config's machines and standbys)",
+    )
+
+    a = sub.add_parser("auth", help="generate credentials and nats-server configs")
+    a.add_argument("args", nargs=argparse.REMAINDER, help="see `trainmover auth --help`")
 
     sv = sub.add_parser("service", help="run one service in the foreground")
     sv.add_argument("name", choices=SERVICES)
@@ -239,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "version":
             print(f"trainmover {__version__}")
             return 0
+        if args.command == "auth":
+            from trainmover.security import authcli
+
+            return authcli.main(args.args)
+        credentials.set_default(credentials.from_args(args))
         if args.command == "demo":
             from trainmover import demo
 
@@ -250,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, InvalidName, MessageError) as err:
         print(f"trainmover: error: {err}", file=sys.stderr)
         return 2
-    except (TrainMoverError, BusUnreachable, NatsServerError) as err:
+    except CredentialsError as err:
+        print(f"trainmover: error: {err}", file=sys.stderr)
+        return 2
+    except (TrainMoverError, BusUnreachable, NatsServerError, PermissionDenied) as err:
         print(f"trainmover: error: {err}", file=sys.stderr)
         return 1
     except ValueError as err:  # pydantic validation of CLI-built messages

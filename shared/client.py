@@ -6,7 +6,8 @@
         print(done.state, done.downtime_s)
 
 Usable from any asyncio program; every public method is typed and raises a subclass of
-TrainMoverError (or BusUnreachable) with a one-line reason.
+TrainMoverError (or BusUnreachable, or bus.PermissionDenied when the bus's permissions
+refuse this user, e.g. another job's events) with a one-line reason.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from trainmover.messages import (
     decode_event,
 )
 from trainmover.natsserver import resolve_url
+from trainmover.security import denials
+from trainmover.security.credentials import NatsAuth
 from trainmover.subjects import STATE_KEY, JobSubjects, check_name
 
 Event = DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent
@@ -80,15 +83,20 @@ class TrainMoverClient:
         user: str | None = None,
         password: str | None = None,
         token: str | None = None,
+        auth: NatsAuth | None = None,
     ) -> TrainMoverClient:
-        """Connects to `url` (or $TRAINMOVER_NATS_URL); raises BusUnreachable."""
+        """Connects to `url` (or $TRAINMOVER_NATS_URL); raises BusUnreachable.
+
+        Credentials: `auth`, else user/password/token, else the process default
+        (--nats-creds or $TRAINMOVER_NATS_CREDS, see trainmover.security.credentials).
+        """
         resolved = resolve_url(url)
         if not resolved:
             raise TrainMoverError(
                 "no NATS URL: pass --nats-url or set TRAINMOVER_NATS_URL "
                 "(`trainmover up` prints it)"
             )
-        nc = await bus.connect(resolved, name, user=user, password=password, token=token)
+        nc = await bus.connect(resolved, name, user=user, password=password, token=token, auth=auth)
         return cls(nc)
 
     async def close(self) -> None:
@@ -109,7 +117,7 @@ class TrainMoverClient:
         check_name("job", job)
         try:
             bucket = await bus.job_bucket(self._js, job)
-            entry = await bucket.get(STATE_KEY)
+            entry = await denials.of(self._nc).guard(bucket.get(STATE_KEY), ["$JS.API.>"])
         except (BucketNotFoundError, KeyNotFoundError):
             raise UnknownJob(f"unknown job {job!r}: no planner has registered it") from None
         if entry.value is None:
@@ -218,18 +226,28 @@ class Watch:
         subjects = JobSubjects(self._job)
         policy = DeliverPolicy.ALL if self._from_start else DeliverPolicy.NEW
         js = self._client._js
+        guard = denials.of(self._client._nc).guard
+        # Streams named, not looked up by subject: a client may not list streams.
         self._subs = [
-            await js.subscribe(
-                subjects.events,
-                cb=self._on(decode_event),
-                ordered_consumer=True,
-                deliver_policy=policy,
+            await guard(
+                js.subscribe(
+                    subjects.events,
+                    stream=subjects.stream("EVENTS"),
+                    cb=self._on(decode_event),
+                    ordered_consumer=True,
+                    deliver_policy=policy,
+                ),
+                ["$JS.API.>", "_INBOX.>"],
             ),
-            await js.subscribe(
-                subjects.progress,
-                cb=self._on(lambda raw: decode(MigrationProgress, raw)),
-                ordered_consumer=True,
-                deliver_policy=policy,
+            await guard(
+                js.subscribe(
+                    subjects.progress,
+                    stream=subjects.stream("PROGRESS"),
+                    cb=self._on(lambda raw: decode(MigrationProgress, raw)),
+                    ordered_consumer=True,
+                    deliver_policy=policy,
+                ),
+                ["$JS.API.>", "_INBOX.>"],
             ),
         ]
         return self

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import MutableMapping
 from typing import Any, TextIO
@@ -19,15 +20,74 @@ LEVEL_ENV = "TRAINMOVER_LOG_LEVEL"
 
 # Keys whose values must never reach a log line.
 _SECRET_KEYS = frozenset(
-    {"password", "token", "secret", "nkey", "seed", "authorization", "user_password", "creds"}
+    {
+        "password",
+        "passwd",
+        "pass",
+        "token",
+        "secret",
+        "nkey",
+        "seed",
+        "nkey_seed",
+        "authorization",
+        "user_password",
+        "creds",
+        "credentials",
+        "webhook_token",
+        "bcrypt",
+        "password_hash",
+    }
 )
+
+# Secrets by value: every credential loaded (trainmover.security.credentials) is added,
+# so a value that reaches a log line under an innocent key (an error message quoting
+# it) still prints masked. Also masked: NKey seeds and user:password@ in URLs.
+_secret_values: set[str] = set()
+_PATTERNS = (
+    re.compile(r"\bS[UNOACP][A-Z2-7]{56}\b"),  # NKey seeds
+    re.compile(r"(?<=://)[^/@\s:]*:[^/@\s]*(?=@)"),  # URL userinfo with a password
+)
+_MIN_SECRET_LEN = 6  # shorter "secrets" would mask ordinary words
+
+
+def add_secret(value: str) -> None:
+    """Registers a secret value: any log line containing it prints it as ***."""
+    if value and len(value) >= _MIN_SECRET_LEN:
+        _secret_values.add(value)
+
+
+def redact_text(text: str) -> str:
+    """`text` with registered secrets, NKey seeds and URL passwords masked."""
+    for secret in _secret_values:
+        if secret in text:
+            text = text.replace(secret, "***")
+    for pattern in _PATTERNS:
+        text = pattern.sub("***", text)
+    return text
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clean(v) for v in value)
+    if isinstance(value, dict):
+        return {k: "***" if str(k).lower() in _SECRET_KEYS else _clean(v) for k, v in value.items()}
+    return value
 
 
 def _redact(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     for key in event:
         if key.lower() in _SECRET_KEYS:
             event[key] = "***"
+        elif key != "exc_info":  # format_exc_info needs it as it is
+            event[key] = _clean(event[key])
     return event
+
+
+def _redact_rendered(_logger: Any, _name: str, line: Any) -> Any:
+    # Last line of defence: tracebacks are rendered after _redact ran.
+    return redact_text(line) if isinstance(line, str) else line
 
 
 def configure(
@@ -50,6 +110,7 @@ def configure(
             _redact,
             structlog.processors.format_exc_info,
             renderer,
+            _redact_rendered,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level_name, logging.INFO)

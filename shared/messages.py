@@ -20,6 +20,9 @@ from trainmover.runtime.plan import Plan as SwitchPlan
 
 SCHEMA_VERSION = 1
 
+MAX_MESSAGE_BYTES = 1024 * 1024
+"""Largest message `decode` accepts (the bus's max_payload is the same)."""
+
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 """A job or machine name: it becomes a subject token."""
 
@@ -41,7 +44,9 @@ class MessageError(ValueError):
 class Message(BaseModel):
     """Base of every message: strict, closed to unknown fields, versioned."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # allow_inf_nan=False: no time, duration or deadline is infinite or NaN, and a NaN
+    # would compare false everywhere (a deadline never due, a straggler never slow).
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
     schema_version: int = SCHEMA_VERSION
 
@@ -352,7 +357,8 @@ def _reason(err: ValidationError, tagged: bool = False) -> str:
     # In a tagged union pydantic puts the tag first in the location; the producer
     # knows which kind it sent, so name the field alone.
     parts = first["loc"][1:] if tagged else first["loc"]
-    loc = ".".join(str(p) for p in parts)
+    # Keys come from the input: escape them so the reason stays one printable line.
+    loc = ".".join(str(p).encode("unicode_escape").decode() for p in parts)
     msg = first["msg"].removeprefix("Value error, ")
     more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
     if first["type"] == "json_invalid":
@@ -365,8 +371,21 @@ def _reason(err: ValidationError, tagged: bool = False) -> str:
     return f"field '{loc}': {msg}{more}" if loc else f"{msg}{more}"
 
 
+def _check_size(raw: bytes | str) -> None:
+    if not isinstance(raw, (bytes, bytearray, str)):
+        raise MessageError(f"expected JSON bytes or text, got {type(raw).__name__}")
+    size = len(raw) if not isinstance(raw, str) else len(raw.encode("utf-8", "surrogatepass"))
+    if size > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {size} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+
+
 def decode(model: type[M], raw: bytes | str) -> M:
-    """Parses and validates `raw` JSON as `model`, or raises MessageError with the reason."""
+    """Parses and validates `raw` JSON as `model`, or raises MessageError with the reason.
+
+    Input larger than MAX_MESSAGE_BYTES is refused before it is parsed; MessageError is
+    the only exception any input raises (tests/security fuzz this).
+    """
+    _check_size(raw)
     try:
         return model.model_validate_json(raw)
     except ValidationError as err:
@@ -374,7 +393,8 @@ def decode(model: type[M], raw: bytes | str) -> M:
 
 
 def decode_event(raw: bytes | str) -> DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent:
-    """Parses any interruption event, dispatching on its `kind`."""
+    """Parses any interruption event, dispatching on its `kind`; raises MessageError."""
+    _check_size(raw)
     try:
         return EVENT_ADAPTER.validate_json(raw)
     except ValidationError as err:

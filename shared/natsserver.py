@@ -132,6 +132,24 @@ class EmbeddedNats:
             time.sleep(0.005)
         raise NatsServerError(f"nats-server not ready after {self.ready_timeout}s")
 
+    def reload(self, timeout: float = 10.0) -> None:
+        """Re-reads the config file (SIGHUP), e.g. after rotating credentials; returns once
+        the server logged that the new configuration is in force."""
+        if self._proc is None or self._proc.poll() is not None:
+            raise NatsServerError("server not running")
+        log_file = self.store_dir / "nats-server.log"
+        before = log_file.read_text(errors="replace").count("Reloaded server configuration")
+        self._proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = log_file.read_text(errors="replace")
+            if text.count("Reloaded server configuration") > before:
+                return
+            if "Failed to reload server configuration" in text[-4000:]:
+                raise NatsServerError(f"nats-server rejected the new configuration: {text[-500:]}")
+            time.sleep(0.005)
+        raise NatsServerError(f"nats-server did not reload within {timeout}s")
+
     def stop(self, kill: bool = False) -> None:
         """Stops the server (SIGTERM, or SIGKILL when `kill`: a crash)."""
         proc, self._proc = self._proc, None

@@ -6,6 +6,11 @@
 - with a job config, the local cluster: the rendezvous store (hosted here, never on a
   training machine) and one sidecar process per machine and standby, each in its own
   process group so that `kill_machine` takes a whole machine down like a power cut.
+
+With `auth`, the stack generates per-component credentials and a nats-server config
+(trainmover.security) into `<store>/auth/`, runs the embedded server with it, and gives
+each process its own credentials file (TRAINMOVER_NATS_CREDS) and
+TRAINMOVER_NATS_REQUIRE_AUTH=1, so nothing runs against an open bus.
 """
 
 from __future__ import annotations
@@ -14,16 +19,20 @@ import asyncio
 import contextlib
 import importlib
 import os
+import shutil
 import signal
 import sys
 import tempfile
 from pathlib import Path
 from types import TracebackType
+from typing import cast
 
 from trainmover.logs import get_logger
 from trainmover.natsserver import EmbeddedNats, resolve_url
 from trainmover.ports import DEFAULT_HTTP_PORTS
 from trainmover.runtime.config import JobConfig, load_config
+from trainmover.security.credentials import CREDS_ENV, ENV
+from trainmover.security.policy import Component, Role
 
 log = get_logger("stack")
 
@@ -42,7 +51,8 @@ def available_services() -> list[str]:
 
 
 class Stack:
-    """Bus, services and (with a job config) the local cluster; an async context manager.
+    """Bus, services and (with a job config, unless `cluster` is False) the local cluster;
+    an async context manager.
 
     `service_args` adds flags per service name ("sidecar" for every sidecar).
     """
@@ -56,6 +66,10 @@ class Stack:
         run_dir: str | Path | None = None,
         service_args: dict[str, list[str]] | None = None,
         fixed_ports: bool = False,
+        cluster: bool = True,
+        auth: bool = False,
+        auth_machines: list[str] | None = None,
+        bcrypt_cost: int | None = None,
     ) -> None:
         self._given_url = resolve_url(nats_url)
         self._store_dir = store_dir
@@ -65,12 +79,72 @@ class Stack:
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="trainmover-run-"))
         self._service_args = service_args or {}
         self._fixed_ports = fixed_ports
+        self._cluster = cluster
         self._nats: EmbeddedNats | None = None
         self._rendezvous: object | None = None
         self.rendezvous_address = ""
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self.machines: dict[str, asyncio.subprocess.Process] = {}
         self.url = ""
+        self.auth = auth
+        self._auth_machines = auth_machines
+        self._bcrypt_cost = bcrypt_cost
+        self._auth_tmp: str | None = None
+        self.auth_dir: Path | None = None
+        self.jobs: dict[str, list[str]] = {}
+        if auth and self._given_url:
+            raise ValueError(
+                "--auth generates credentials for the embedded server; against an existing "
+                "server give each service its own credentials (TRAINMOVER_NATS_CREDS)"
+            )
+
+    def creds_file(self, component: Component) -> Path:
+        """The credentials file of `component` (with `auth`)."""
+        if self.auth_dir is None:
+            raise RuntimeError("the stack runs without --auth")
+        from trainmover.security.secrets import AuthStore
+
+        return AuthStore(self.auth_dir).creds_file(component)
+
+    def creds_env(self, component: Component) -> dict[str, str]:
+        """Environment for a child that connects as `component` (empty without auth)."""
+        if self.auth_dir is None:
+            return {}
+        return {CREDS_ENV: str(self.creds_file(component)), ENV + "REQUIRE_AUTH": "1"}
+
+    @property
+    def operator_creds(self) -> Path | None:
+        """Credentials for the person at the terminal: the job's client, else admin."""
+        if self.auth_dir is None:
+            return None
+        if len(self.jobs) == 1:
+            return self.creds_file(Component("client", (next(iter(self.jobs)),)))
+        return self.creds_file(Component("admin"))
+
+    def _auth_jobs(self) -> dict[str, list[str]]:
+        if not self._job_config:
+            return {}
+        config = load_config(self._job_config)
+        machines = self._auth_machines
+        if machines is None:
+            machines = [*config.cluster.machines, *config.cluster.standbys]
+        return {config.job: machines}
+
+    def _setup_auth(self) -> Path:
+        from trainmover.security.authcli import generate
+        from trainmover.security.secrets import BCRYPT_ROUNDS
+
+        if self._store_dir:
+            self.auth_dir = Path(self._store_dir) / "auth"
+        else:
+            self._auth_tmp = tempfile.mkdtemp(prefix="trainmover-auth-")
+            self.auth_dir = Path(self._auth_tmp)
+        self.jobs = self._auth_jobs()
+        store, records = generate(
+            self.auth_dir, self.jobs, rounds=self._bcrypt_cost or BCRYPT_ROUNDS
+        )
+        log.info("auth_generated", users=len(records), dir=str(store.root))
+        return store.root / "nats-server.conf"
 
     @property
     def running(self) -> list[str]:
@@ -80,13 +154,15 @@ class Stack:
         if self._given_url:
             self.url = self._given_url
         else:
-            self._nats = await asyncio.to_thread(EmbeddedNats(self._store_dir).start)
+            config = await asyncio.to_thread(self._setup_auth) if self.auth else None
+            server = EmbeddedNats(self._store_dir, config_file=config)
+            self._nats = await asyncio.to_thread(server.start)
             self.url = self._nats.url
-        log.info("bus_ready", url=self.url, embedded=self._nats is not None)
+        log.info("bus_ready", url=self.url, embedded=self._nats is not None, auth=self.auth)
         try:
             for name in self._services:
                 await self._spawn(name)
-            if self.config is not None:
+            if self.config is not None and self._cluster:
                 await self._start_cluster(self.config)
         except BaseException:
             await self.__aexit__(None, None, None)
@@ -109,16 +185,27 @@ class Stack:
             args += ["--startup-grace", "60"]
         return args + list(extra) + self._service_args.get(name, [])
 
-    async def _exec(self, args: list[str], new_group: bool = False) -> asyncio.subprocess.Process:
+    def _service_env(self, name: str, machine: str | None = None) -> dict[str, str]:
+        env = {**os.environ, "TRAINMOVER_NATS_URL": self.url}
+        if self.auth:
+            # Each process gets its own identity, never the operator's credentials.
+            env = {k: v for k, v in env.items() if not k.startswith(ENV) or k == ENV + "URL"}
+            role = cast(Role, name)  # STACK_SERVICES and "sidecar" are roles of the policy
+            env.update(self.creds_env(Component(role, tuple(sorted(self.jobs)), machine)))
+        return env
+
+    async def _exec(
+        self, args: list[str], env: dict[str, str], new_group: bool = False
+    ) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
             *args,
             stdin=asyncio.subprocess.DEVNULL,
             start_new_session=new_group,
-            env={**os.environ, "TRAINMOVER_NATS_URL": self.url},
+            env=env,
         )
 
     async def _spawn(self, name: str) -> None:
-        self._procs[name] = await self._exec(self._args(name))
+        self._procs[name] = await self._exec(self._args(name), self._service_env(name))
         log.info("service_started", service=name, pid=self._procs[name].pid)
 
     async def restart_service(self, name: str, kill: bool = True) -> None:
@@ -151,7 +238,8 @@ class Stack:
             "--run-dir",
             str(self.run_dir / machine),
         )
-        self.machines[machine] = await self._exec(args, new_group=True)
+        env = self._service_env("sidecar", machine)
+        self.machines[machine] = await self._exec(args, env, new_group=True)
         log.info("machine_started", machine=machine, pid=self.machines[machine].pid)
 
     def kill_machine(self, machine: str) -> None:
@@ -200,3 +288,5 @@ class Stack:
             self._rendezvous.close()  # type: ignore[attr-defined]
         if self._nats is not None:
             await asyncio.to_thread(self._nats.cleanup)
+        if self._auth_tmp is not None:
+            shutil.rmtree(self._auth_tmp, ignore_errors=True)

@@ -15,7 +15,9 @@ jobs and a producer in another language can find the layout in one place
     bucket TM_<job>                cluster state (JetStream key-value)
     bucket TM_<job>_HEALTH         the health-monitor's open incidents
     bucket TM_<job>_EXEC           the executor's migration records
-    bucket TM_<job>_HEALTH         health-monitor's open incidents (JetStream key-value)
+
+A key-value bucket B is the stream KV_B holding the subjects $KV.B.<key> (`kv_stream`,
+`kv_subjects`); the bus permissions (trainmover.security.policy) are derived from here.
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ class JobSubjects:
     def command(self, machine: str) -> str:
         return f"{self.root}.cmd.{check_name('machine', machine)}"
 
+    @property
+    def commands(self) -> str:
+        """Wildcard over every machine's command subject (the executor sends to all)."""
+        return f"{self.root}.cmd.*"
+
     # --- JetStream resources ---------------------------------------------------------
     def stream(self, what: str) -> str:
         """Stream name for `what` in {EVENTS, PLANS, PROGRESS, DEADLETTER}."""
@@ -128,6 +135,20 @@ class JobSubjects:
     def executor_bucket(self) -> str:
         """The executor's private bucket: one record per migration, for its restarts."""
         return f"TM_{self.job}_EXEC"
+
+    def buckets(self) -> list[str]:
+        """Every key-value bucket of the job."""
+        return [self.bucket, self.health_bucket, self.executor_bucket]
+
+
+def kv_stream(bucket: str) -> str:
+    """The JetStream stream behind key-value bucket `bucket`."""
+    return f"KV_{bucket}"
+
+
+def kv_subjects(bucket: str) -> str:
+    """Wildcard over the keys of `bucket` (what a writer publishes to)."""
+    return f"$KV.{bucket}.>"
 
 
 # Keys of the cluster-state bucket.

@@ -31,7 +31,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from trainmover import logs
-from trainmover.bus import BusUnreachable
+from trainmover.bus import BusUnreachable, PermissionDenied
+from trainmover.security.credentials import CredentialsError
 
 if TYPE_CHECKING:
     from trainmover.services.health_monitor.config import Settings
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     except RulesError as err:
         print(f"health-monitor: error: {err}", file=sys.stderr)
         return 2
-    except (BusUnreachable, OSError) as err:
+    except (BusUnreachable, PermissionDenied, CredentialsError, OSError) as err:
         print(f"health-monitor: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

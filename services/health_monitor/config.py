@@ -5,7 +5,8 @@ Precedence, highest first: command-line flags, environment variables
 file (YAML or TOML, keys as the settings below), the `health_monitor:` section and
 `job`/`name` of the `--job-config` file (what `trainmover up` passes), then defaults.
 The webhook token is read from TRAINMOVER_WEBHOOK_TOKEN or `--webhook-token-file`, never
-from a flag, so it does not show in `ps`.
+from a flag, so it does not show in `ps`. NATS credentials come from the shared
+`--nats-creds` / $TRAINMOVER_NATS_* settings (trainmover.security.credentials).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 import yaml
 
 from trainmover.natsserver import URL_ENV
+from trainmover.security import credentials
+from trainmover.security.credentials import CredentialsError, NatsAuth
 from trainmover.subjects import InvalidName, check_name
 
 ENV_PREFIX = "TRAINMOVER_HM_"
@@ -62,6 +65,8 @@ class Settings:
     publish_timeout: float = 10.0
     """Seconds a webhook request waits for its events' acks before answering 503."""
     webhook_token: str | None = field(default=None, repr=False)
+    nats_auth: NatsAuth | None = field(default=None, repr=False)
+    """Credentials from this service's own flags/env; None: the process default."""
     log_format: str | None = None
     log_level: str | None = None
 
@@ -114,7 +119,7 @@ class Settings:
 
 _FIELDS = {f.name: f for f in fields(Settings)}
 _LIST_FIELDS = {"jobs", "watch_statuses"}
-_SECRET_FIELDS = {"webhook_token"}
+_SECRET_FIELDS = {"webhook_token", "nats_auth"}
 
 
 def _read_file(path: str) -> dict[str, Any]:
@@ -220,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
     a("--webhook-token-file", help=f"bearer token file (or ${TOKEN_ENV})")
     a("--log-format", choices=["json", "console"])
     a("--log-level")
+    credentials.add_arguments(p)
     return p
 
 
@@ -233,7 +239,15 @@ def load(argv: list[str] | None, env: dict[str, str] | None = None) -> Settings:
     if args.config:
         merged.update(_from_mapping(_read_file(args.config), f"config file {args.config}"))
     merged.update(_from_env(env))
+    try:
+        auth = credentials.from_args(args, env)
+    except CredentialsError as err:
+        raise ConfigError(str(err)) from None
+    if auth != NatsAuth():
+        merged["nats_auth"] = auth
     for name in _FIELDS:
+        if name in _SECRET_FIELDS:
+            continue
         value = getattr(args, name, None)
         if value is not None:
             merged[name] = _coerce(name, value, f"--{name.replace('_', '-')}")

@@ -94,7 +94,7 @@ class HealthMonitor:
         else:
             if not s.nats_url:
                 raise bus.BusUnreachable("no NATS URL: pass --nats-url or set TRAINMOVER_NATS_URL")
-            self._nc = await bus.connect(s.nats_url, SERVICE)
+            self._nc = await bus.connect(s.nats_url, SERVICE, auth=s.nats_auth)
         js = self._nc.jetstream()
         self.emitter = Emitter(js, IncidentTable(s.dedup_window), self.metrics)
         for job in s.jobs:
