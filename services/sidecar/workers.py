@@ -167,6 +167,7 @@ class MachineWorkers:
 
     def prepare(self, plan: Plan, timeout_s: float) -> dict[str, object]:
         """Phase 1 on this machine's ranks of the plan; returns once all are ready."""
+        self.wait_connected(timeout_s)  # a plan can come while the workers still start
         refs = self.affected(plan)
         acks = {r: self.control.request(r, c.Prepare(plan=plan), timeout_s) for r in refs}
 

@@ -77,7 +77,7 @@ async def test_services_restarted_mid_migration_complete_it(cluster: Cluster, re
     done = await cluster.client.wait_for_migration(cluster.job, second, timeout=WAIT_S)
     assert done.state == "done", done.detail
     state = await cluster.wait_state(
-        lambda s: s.machines["s1"].status == "active" and not s.in_flight
+        lambda s: s.machines["s1"].status == "active" and not s.in_flight, WAIT_S
     )
     assert state.machines["s0"].status == "active"
     assert {state.machines[m].status for m in ("m0", "m3")} <= {"maintenance", "standby"}

@@ -4,6 +4,7 @@ as real processes started the way deploy/ starts them, and the services' ports."
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,15 +26,10 @@ TOKEN = "integration-test-token"
 
 @dataclass
 class LocalCluster:
-    """The job the services act on.
+    """The job the services act on: its cluster state, written as the planner would.
 
-    Hook for the end-to-end migration (issue 9, "the local cluster migrates the machine"):
-    today this fixture only writes the job's cluster state (as the planner would), so the
-    health-monitor knows its machines; `migrates` is False and the tests stop at the
-    event. Once the executor and sidecars exist, start the local cluster here (sidecars
-    with real workers for `machines` and `standbys`, e.g. through `trainmover up
-    --job-config`), set `migrates = True`, and the Alertmanager test also waits for the
-    migration of the drained machine (`TrainMoverClient.wait_for_migration`).
+    With the `machines` fixture its machines also run (a sidecar with real workers each)
+    and `migrates` is True: a drain then really moves the machine to a standby.
     """
 
     job: str
@@ -59,9 +55,13 @@ def job_config(tmp_path: Path, local_cluster: LocalCluster) -> Path:
     config = {
         "job": local_cluster.job,
         "layout": {"tp": 2, "pp": 2, "dp": 2},
+        # Long enough that the job is still training when the alerts arrive.
+        "train": {"steps": 100_000},
+        "cluster": {"machines": local_cluster.machines, "standbys": local_cluster.standbys},
         "health_monitor": {
             "rules": str(DEPLOY / "health-monitor-rules.yaml"),
-            # No sidecars heartbeat in these tests: keep the machines from lapsing.
+            # Machines start slowly on a loaded host (each imports torch), and in the
+            # tests without `machines` nothing heartbeats: keep them from lapsing.
             "startup_grace": 3600,
         },
     }
@@ -115,3 +115,36 @@ async def trainmover_services(
         codes = {p.name: p.stop() for p in reversed(list(running.programs.values()))}
         bad = {name: code for name, code in codes.items() if code != 0}
         assert not bad, f"services did not stop cleanly: {bad}"
+
+
+@pytest.fixture
+async def machines(
+    local_cluster: LocalCluster, job_config: Path, tmp_path: Path
+) -> AsyncIterator[list[Program]]:
+    """A sidecar with its real worker processes for every machine and standby of the job,
+    started the way deploy/ starts them, around a rendezvous store hosted here."""
+    from trainmover.runtime.launcher import RendezvousHost
+
+    host = RendezvousHost()
+    running: list[Program] = []
+    try:
+        for machine in [*local_cluster.machines, *local_cluster.standbys]:
+            argv = service_argv(
+                "sidecar", local_cluster.nats_url, job_config, tmp_path / f"sidecar-{machine}.port"
+            )
+            argv += ["--machine", machine, "--run-dir", str(tmp_path / "run" / machine)]
+            if machine in local_cluster.standbys:
+                argv.append("--standby")
+            env = {**os.environ, "TRAINMOVER_RENDEZVOUS": host.address}
+            running.append(Program(f"sidecar-{machine}", argv, tmp_path, env).start())
+        local_cluster.migrates = True
+        yield running
+    finally:
+        # All at once: each sidecar stops its workers at their next step boundary.
+        for program in running:
+            if program.proc is not None and program.proc.poll() is None:
+                program.proc.send_signal(signal.SIGTERM)
+        codes = {p.name: p.wait(60) for p in running}
+        host.close()
+        bad = {name: code for name, code in codes.items() if code != 0}
+        assert not bad, f"sidecars did not stop cleanly: {bad}"

@@ -105,6 +105,17 @@ class Program:
 
         return await poll(one, f"{self.name} to listen", timeout)
 
+    def wait(self, timeout: float) -> int | None:
+        """Waits for the program to exit (SIGKILL after `timeout`); returns the exit code."""
+        if self.proc is None:
+            return None
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.proc.returncode
+
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after 10 s; returns the exit code."""
         if self.proc is None:
