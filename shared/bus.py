@@ -23,6 +23,7 @@ import asyncio
 import base64
 import contextlib
 import ssl
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -374,16 +375,28 @@ async def dead_letter(
 
 
 async def request(
-    nc: NatsClient, command: Command, *, timeout: float = 2.0, retries: int = 3
+    nc: NatsClient,
+    command: Command,
+    *,
+    timeout: float = 2.0,
+    retries: int = 3,
+    deadline_s: float | None = None,
 ) -> CommandReply:
-    """Sends `command` to its machine's sidecar; retries timeouts with the same id.
+    """Sends `command` to its machine's sidecar; retries with the same id.
 
-    Raises CommandFailed when no reply comes after `retries` attempts or the reply is
-    not a valid CommandReply. A reply with ok=False is returned, not raised.
+    An attempt that times out is retried at once (the sidecar answers a retry from its
+    memory of the first run); while nobody listens on the machine's subject (its sidecar
+    is still starting) the next attempt waits a growing pause. Gives up after `retries`
+    attempts, or, with `deadline_s`, once that many seconds have passed. Raises
+    CommandFailed then, or when the reply is not a valid CommandReply. A reply with
+    ok=False is returned, not raised.
     """
     subject = JobSubjects(command.job).command(command.machine)
+    give_up = None if deadline_s is None else time.monotonic() + deadline_s
     last = ""
-    for attempt in range(1, retries + 1):
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             msg = await denials.of(nc).guard(
                 nc.request(subject, command.to_json(), timeout=timeout), [subject]
@@ -400,15 +413,18 @@ async def request(
                 plan_id=command.plan_id,
                 error=last,
             )
+            out_of_time = give_up is not None and time.monotonic() >= give_up
+            if out_of_time or (give_up is None and attempt >= retries):
+                break
             if isinstance(err, NoRespondersError):
-                await asyncio.sleep(min(timeout, 0.1 * attempt))  # nobody listens yet
+                await asyncio.sleep(min(timeout, 1.0, 0.05 * 2**attempt))
             continue
         try:
             return decode(CommandReply, msg.data)
         except MessageError as err:
             raise CommandFailed(f"{command.op} to {command.machine}: bad reply: {err}") from err
     raise CommandFailed(
-        f"{command.op} to {command.machine}: no reply after {retries} attempts ({last})"
+        f"{command.op} to {command.machine}: no reply after {attempt} attempts ({last})"
     )
 
 

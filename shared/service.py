@@ -41,6 +41,9 @@ class Service(Protocol):
 
 def run_service(name: str, load: Callable[[], Any], build: Callable[[Any], Service]) -> int:
     """Loads settings, configures logging, runs the service until a signal."""
+    # A stop asked for while the service still starts (imports, connecting) is a clean
+    # stop too; once running, the event loop's handlers take over.
+    signal.signal(signal.SIGTERM, _stop_while_starting)
     try:
         settings = load()
     except SettingsError as err:
@@ -57,6 +60,16 @@ def run_service(name: str, load: Callable[[], Any], build: Callable[[Any], Servi
         return 1
     except KeyboardInterrupt:
         return 130
+    except _StoppedWhileStarting:
+        return 0
+
+
+class _StoppedWhileStarting(BaseException):
+    pass
+
+
+def _stop_while_starting(_signum: int, _frame: object) -> None:
+    raise _StoppedWhileStarting
 
 
 async def _run(service: Service) -> int:

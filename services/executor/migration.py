@@ -208,8 +208,9 @@ class Migration:
                 plan_id=self.plan.plan_id,
                 args=payload,
             )
-            retries = max(1, int(self.timeout_s // self.attempt_s) + 1)
-            reply = await bus.request(self._nc, command, timeout=self.attempt_s, retries=retries)
+            reply = await bus.request(
+                self._nc, command, timeout=self.attempt_s, deadline_s=self.timeout_s
+            )
             if not reply.ok:
                 raise MigrationFailed(f"{op} on {machine}: {reply.error}")
             return reply.result

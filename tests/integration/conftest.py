@@ -137,6 +137,17 @@ async def machines(
                 argv.append("--standby")
             env = {**os.environ, "TRAINMOVER_RENDEZVOUS": host.address}
             running.append(Program(f"sidecar-{machine}", argv, tmp_path, env).start())
+        for program in running:  # a drain comes to a running job, not a booting one
+
+            def up(program: Program = program) -> int | None:
+                program.check_alive()
+                port_file = tmp_path / f"{program.name}.port"
+                if not port_file.exists() or not port_file.read_text().strip():
+                    return None
+                port = int(port_file.read_text())
+                return port if http_ok(f"http://127.0.0.1:{port}{ports.HEALTH_PATH}") else None
+
+            await poll(up, f"{program.name} to be up", timeout=600)
         local_cluster.migrates = True
         yield running
     finally:
