@@ -169,6 +169,15 @@ class MachineWorkers:
         """Phase 1 on this machine's ranks of the plan; returns once all are ready."""
         self.wait_connected(timeout_s)  # a plan can come while the workers still start
         refs = self.affected(plan)
+        if self.cell is not None:
+            # An active machine's ranks take a plan only once training runs: their first
+            # groups are built and installed at their first step.
+            self.tracker.wait(
+                lambda: all(self.tracker.step_of(r) >= 1 for r in refs),
+                timeout_s,
+                f"the first step on {self.machine}",
+                refs,
+            )
         acks = {r: self.control.request(r, c.Prepare(plan=plan), timeout_s) for r in refs}
 
         def all_ready() -> bool:
