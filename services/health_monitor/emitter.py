@@ -226,6 +226,15 @@ class Emitter:
         except Exception as err:  # a stale record only expires later; not worth a retry
             log.warning("incident_delete_failed", job=incident.job, error=str(err))
 
+    def _count_published(self, event: MonitorEvent, item: _Emit) -> float | None:
+        """Counts a published event; returns its detection latency, when it has one."""
+        self._metrics.events.inc(job=event.job, kind=event.kind, source=event.source)
+        if item.alive_ts is None:
+            return None
+        latency = max(self._clock() - item.alive_ts, 0.0)
+        self._metrics.detection_latency.observe(latency, source=event.source)
+        return latency
+
     async def _publish(self, item: _Emit) -> None:
         event, incident = item.event, item.incident
         store = self._stores.get(event.job)
@@ -240,6 +249,7 @@ class Emitter:
             event=event.model_dump_json(),
         )
         delay = 0.05
+        latency: float | None = None
         while True:
             try:
                 if store is not None and not item.republish:
@@ -247,6 +257,8 @@ class Emitter:
                 await bus.publish_durable(
                     self._js, JobSubjects(event.job).event(event.kind), event, msg_id=event.event_id
                 )
+                # Counted as soon as the bus has it, before anything else is awaited.
+                latency = self._count_published(event, item)
                 if store is not None:
                     await store.put(record.model_copy(update={"published": True}))
                 break
@@ -264,11 +276,6 @@ class Emitter:
                 delay = min(delay * 2, 2.0)
         self._pending -= 1
         self._metrics.pending_publishes.set(self._pending)
-        self._metrics.events.inc(job=event.job, kind=event.kind, source=event.source)
-        latency = None
-        if item.alive_ts is not None:
-            latency = max(self._clock() - item.alive_ts, 0.0)
-            self._metrics.detection_latency.observe(latency, source=event.source)
         log.info(
             "event_published",
             job=event.job,

@@ -9,6 +9,7 @@ new step of machine m:
   small job cannot drag the reference up);
 - the step is *slow* when its compute time exceeds `factor` x the job median.
 
+Warm-up: a machine's first `warmup` steps (since it was first seen) are history only.
 Hysteresis: m is flagged after `consecutive` slow steps in a row (one slow step is
 noise, not a straggler), and un-flagged only after `consecutive` normal steps in a row,
 so a machine hovering at the threshold yields one event, not one per crossing.
@@ -49,7 +50,12 @@ class StragglerDetector:
     """Per-job rolling step statistics and the hysteresis state of every machine."""
 
     def __init__(
-        self, factor: float = 1.5, consecutive: int = 5, window: int = 20, min_peers: int = 1
+        self,
+        factor: float = 1.5,
+        consecutive: int = 5,
+        window: int = 20,
+        min_peers: int = 1,
+        warmup: int = 10,
     ) -> None:
         if factor <= 1 or consecutive < 1 or window < 1 or min_peers < 1:
             raise ValueError(
@@ -58,6 +64,8 @@ class StragglerDetector:
         self.factor = factor
         self.consecutive = consecutive
         self.window = window
+        #: Steps of a machine's history before its steps are judged at all.
+        self.warmup = min(warmup, window)
         self.min_peers = min_peers
         self._jobs: dict[str, dict[str, _History]] = {}
 
@@ -92,8 +100,11 @@ class StragglerDetector:
         history.last_step = step
         # The reference is taken before this step joins the history.
         reference = self.job_median(job, excluding=machine)
+        warming_up = len(history.times) < self.warmup
         history.times.append(compute_s)
-        if reference is None or reference <= 0:
+        if reference is None or reference <= 0 or warming_up:
+            # A machine's first steps (lazy initialisation, a joiner's first iteration,
+            # a job starting on a loaded host) say nothing about its speed.
             return None
         if compute_s > self.factor * reference:
             if not history.slow_count:

@@ -107,7 +107,7 @@ def test_one_slow_step_is_not_a_straggler() -> None:
 
 
 def test_sustained_slowness_flags_once_with_evidence() -> None:
-    d = StragglerDetector(factor=1.5, consecutive=3, window=10)
+    d = StragglerDetector(factor=1.5, consecutive=3, window=10, warmup=5)
     for step in range(5):
         assert _feed(d, step, {"m0": 0.1, "m1": 0.1, "m2": 0.1}) == []
     findings = []
@@ -122,6 +122,18 @@ def test_sustained_slowness_flags_once_with_evidence() -> None:
     assert f.evidence.machine_median_s == pytest.approx(0.25)
     assert f.evidence.job_median_s == pytest.approx(0.1)
     assert f.evidence.window == 3 and f.evidence.factor == 1.5
+
+
+def test_a_machines_first_steps_are_not_judged() -> None:
+    # Everyone's first steps are slow and uneven (lazy initialisation on a busy host).
+    d = StragglerDetector(factor=1.5, consecutive=2, window=10, warmup=4)
+    found = []
+    for step in range(4):
+        found += _feed(d, step, {"m0": 0.1, "m1": 0.1, "m2": 2.0})
+    assert found == []
+    for step in range(4, 8):  # still slow once judged: a straggler after all
+        found += _feed(d, step, {"m0": 0.1, "m1": 0.1, "m2": 2.0})
+    assert found == ["m2"]
 
 
 def test_hysteresis_clears_after_normal_steps_then_can_flag_again() -> None:
