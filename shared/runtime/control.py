@@ -252,6 +252,8 @@ class Warmed(Message):
     #: process's resident memory afterwards.
     kept_bytes: int
     rss_bytes: int
+    #: Set when the warm-up failed (the standby stays usable, cold).
+    error: str = ""
 
 
 class CollectiveErrorEvent(Message):

@@ -198,22 +198,35 @@ class Runtime:
             self._warm(warm, shadow)
 
     def _warm(self, warm: c.Warm, shadow: ShadowFn | None) -> None:
-        if shadow is None:
-            self._conn.notify(c.PlanFailed(plan_id="warm", error="this job has no shadow step"))
-            return
         self._warm_rounds += 1
         round_id = warm.round_id or f"{os.getppid()}-{self._warm_rounds}"
-        warmed = run_shadow(
-            self.me,
-            self.config.layout,
-            warm,
-            shadow,
-            self.records,
-            self.run_dir / "sandbox" / self.me.machine,
-            round_id,
-            self._timeout_s,
-            store_known=bool(self._store_address),
-        )
+        try:
+            if shadow is None:
+                raise RuntimeError("this job gave wait_for_role no shadow step")
+            warmed = run_shadow(
+                self.me,
+                self.config.layout,
+                warm,
+                shadow,
+                self.records,
+                self.run_dir / "sandbox" / self.me.machine,
+                round_id,
+                self._timeout_s,
+                store_known=bool(self._store_address),
+            )
+        except Exception as exc:  # a failed warm-up leaves a usable (cold) standby
+            self.log.exception("warm_failed")
+            warmed = c.Warmed(
+                role_types=[],
+                iteration_s={},
+                replayed=0,
+                synthesized=0,
+                local=0,
+                store_known=bool(self._store_address),
+                kept_bytes=0,
+                rss_bytes=0,
+                error=f"{type(exc).__name__}: {exc}",
+            )
         self.log.info(
             "warmed",
             role_types=warmed.role_types,

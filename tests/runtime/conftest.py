@@ -191,6 +191,7 @@ def checkpoint_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     run_dir = tmp_path_factory.mktemp("checkpoint")
     config = CONFIG.with_updates(
         layout={"tp": 2, "pp": 2, "dp": 1},
+        cluster={"machines": ["m0", "m1"]},
         train={"steps": 16, "dump_steps": []},
         runtime={"checkpoint_every": CHECKPOINT_EVERY},
     )
