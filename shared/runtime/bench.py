@@ -1,6 +1,16 @@
-"""Benchmark of planned migration (not a test): downtime, its phases, delta vs full rebuild.
+"""Benchmark of migration (not a test): planned and unplanned downtime and their phases,
+delta vs full rebuild, warm vs cold joiners, the commit agreement's per-step cost.
 
     python -m trainmover.runtime.bench --json bench.json [--repeats 3] [--config job.yaml]
+
+Failures (issue 5) come first, on the machines the job starts with: each is SIGKILLed
+mid-step by the test-only fault hook at a chosen step and point, detected by the driver
+(its control connection closes), and recovered from its DP replica onto a standby.
+Failure downtime is measured twice: from the kill to the end of the first step done
+after the recovery (the in-flight step re-executed), and DESIGN.md's way (end of the
+last committed step to the end of the next one, minus a normal step), with its phases:
+detect (kill -> noticed), recover (plan sent -> every rank restored: groups rebuilt,
+state transferred), first step (restored -> that step done everywhere).
 
 Runs the reference job (TP2 x PP2 x DP2 by default) on loopback and migrates the
 machine serving cell (dp 0, pp 0) again and again to a fresh standby, alternating a
@@ -26,10 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from trainmover.runtime.config import JobConfig, load_config
-from trainmover.runtime.driver import LocalJob, MigrationReport
+from trainmover.runtime.driver import LocalJob, MigrationReport, RecoveryReport
 from trainmover.runtime.layout import MachineRole
 
 CELL = MachineRole(dp=0, pp=0)
+#: (machine, step, point): failures injected at the start of the run, one per standby.
+FAILURES = [("m0", 20, "forward"), ("m3", 32, "backward"), ("m1", 44, "dp-allreduce")]
 
 
 def _step_end(job: LocalJob, step: int) -> float:
@@ -69,13 +81,88 @@ def measure(job: LocalJob, report: MigrationReport, steady_from: int, steady_to:
     }
 
 
+def measure_failure(job: LocalJob, report: RecoveryReport, killed_at: float, normal: float) -> dict:
+    s = report.step
+    job.wait_step(s + 1)
+    before, after = _step_end(job, s), _step_end(job, s + 1)
+    restored = max(e.t_end for e in report.switched.values())
+    joiner = next(e for e in report.switched.values() if e.part == "joiner")
+    return {
+        "dead": report.dead,
+        "resumed_from_step": s,
+        "kill_to_first_step_s": after - killed_at,
+        "downtime_s": after - before - normal,
+        "normal_step_s": normal,
+        "phases_s": {
+            "detect": report.detected_at - killed_at,
+            "recover": restored - report.recover_sent,
+            "group_build": max(e.build_s for e in report.switched.values()),
+            "transfer": joiner.transfer_s,
+            "first_step": after - restored,
+        },
+        "rebuilt": sorted({g for e in report.switched.values() for g in e.rebuilt}),
+        "repaired": sorted({g for e in report.switched.values() for g in e.repaired}),
+        "transfer_bytes_per_rank": joiner.transfer_bytes,
+    }
+
+
+def run_failures(job: LocalJob, run_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for machine, step, point in FAILURES:
+        dead, noticed = job.wait_failure()
+        assert dead == machine
+        kills = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
+        killed_at = next(k["t"] for k in kills if k["step"] == step)
+        report = job.recover(dead, detected_at=noticed)
+        normal = _normal_step(job, max(2, step - 12), step - 2)
+        row = measure_failure(job, report, killed_at, normal)
+        row["point"] = point
+        rows.append(row)
+    return rows
+
+
+def first_iterations(job: LocalJob, report: MigrationReport) -> float:
+    """The joiner's first real iteration (step k + 1), slowest of its ranks."""
+    k = report.commit_step
+    job.wait_step(k + 1)
+    joiners = report.plan.joiners()
+    return max(e.seconds for r, e in job.steps[k + 1].items() if r.machine in joiners)
+
+
+def vote_costs(job: LocalJob) -> dict[str, float]:
+    """Per-step cost of the commit agreement: every rank's vote time (it includes waiting
+    for the slowest rank), and the fastest rank's per step (the last voter: the protocol's
+    own round trips, no skew)."""
+    per_step = [[e.vote_s for e in by_rank.values()] for by_rank in job.steps.values() if by_rank]
+    return {
+        "median_vote_s": statistics.median(v for votes in per_step for v in votes),
+        "median_last_voter_s": statistics.median(min(votes) for votes in per_step),
+        "median_step_s": statistics.median(
+            e.seconds for by_rank in job.steps.values() for e in by_rank.values()
+        ),
+    }
+
+
 def run(config: JobConfig, repeats: int, margin: int, warm_steps: int, run_dir: Path) -> dict:
     migrations: list[dict[str, Any]] = []
+    first_iteration: dict[str, list[float]] = {"warm": [], "cold": []}
     modes = [full for _ in range(repeats) for full in (False, True)]
     # Open-ended: the benchmark holds and ends the job with limits, not a step count.
     config = config.with_updates(train={"steps": 1_000_000, "dump_steps": []})
+    faults = ",".join(f"{m}@{step}:{point}" for m, step, point in FAILURES)
     started = time.time()
-    with LocalJob.launch(config, run_dir, standbys=1, limit=1, timeout_s=600) as job:
+    with LocalJob.launch(
+        config,
+        run_dir,
+        standbys=len(FAILURES),
+        limit=FAILURES[-1][1] + 8,
+        timeout_s=600,
+        extra_env={"TM_TEST_FAULT": faults},
+    ) as job:
+        failures = run_failures(job, run_dir)
+        job.wait_step(FAILURES[-1][1] + 8)
+        agreement = vote_costs(job)
+        job.add_standbys(1)
         for i, full in enumerate(modes):
             # The job is held while the next standby starts (its start-up would disturb
             # the step period), then runs a steady window before the event.
@@ -84,24 +171,56 @@ def run(config: JobConfig, repeats: int, margin: int, warm_steps: int, run_dir: 
             job.set_limit(steady_from + warm_steps + 10 * margin + 50)
             job.wait_step(steady_from + warm_steps)
             leaver = next(m for m, cell in job.assignment.items() if cell == CELL)
+            # Delta migrations alternate a warm joiner (shadow iterations first) and a
+            # cold one; the joiner's first real iteration is compared between the two.
+            warm = not full and (i // 2) % 2 == 0
+            if warm:
+                job.warm(job.standbys[:1])
             report = job.migrate({leaver: job.standbys[0]}, margin=margin, full=full)
             job.set_limit(max(job.limit, report.commit_step + 2))
-            migrations.append(measure(job, report, steady_from, report.commit_step))
+            row = measure(job, report, steady_from, report.commit_step)
+            row["joiner_first_iteration_s"] = first_iterations(job, report)
+            row["warm_joiner"] = warm
+            migrations.append(row)
+            if not full:
+                first_iteration["warm" if warm else "cold"].append(row["joiner_first_iteration_s"])
             if i + 1 < len(modes):
                 job.set_limit(job.current_step() + 1)
                 job.add_standbys(1)
         job.stop_at(job.limit)
+        record_bytes = job.run_dir.joinpath("records")
+        records = {p.name: p.stat().st_size for p in record_bytes.iterdir()}
+    med = statistics.median
     return {
-        "benchmark": "planned_migration",
+        "benchmark": "migration",
         "layout": config.layout.model_dump(),
         "model": config.model.model_dump(),
         "repeats": repeats,
         "margin_steps": margin,
         "wall_s": time.time() - started,
         "migrations": migrations,
+        "failures": failures,
+        "first_iteration_s": first_iteration,
+        "commit_agreement": agreement,
+        "record_store_bytes": records,
         "summary": {
-            mode: summarize([m for m in migrations if m["mode"] == mode])
-            for mode in ("delta", "full")
+            **{
+                mode: summarize([m for m in migrations if m["mode"] == mode])
+                for mode in ("delta", "full")
+            },
+            "failure": {
+                "count": len(failures),
+                "kill_to_first_step_s": med(f["kill_to_first_step_s"] for f in failures),
+                "downtime_s": med(f["downtime_s"] for f in failures),
+                "phases_s": {
+                    p: med(f["phases_s"][p] for f in failures) for p in failures[0]["phases_s"]
+                },
+            },
+            "joiner_first_iteration_s": {
+                k: med(v) if v else None for k, v in first_iteration.items()
+            },
+            "commit_agreement": agreement,
+            "record_store_bytes": sum(records.values()),
         },
     }
 

@@ -57,6 +57,25 @@ class RuntimeConfig(BaseModel):
     group_timeout_s: float = Field(default=120.0, gt=0)
     #: Threads per worker; joiner and leaver must match for identical results.
     threads: int = Field(default=1, ge=1)
+    #: How long a rank waits in one collective, or in the commit vote, before it gives
+    #: up on the step (aborts the epoch). A killed peer's direct neighbours get a
+    #: connection error at once and every other rank learns of the abort from the
+    #: store, so this only bounds silent hangs.
+    failure_timeout_s: float = Field(default=120.0, gt=0)
+    #: The per-step commit agreement (a vote through the store before the optimizer
+    #: step). Off only to measure its cost: without it a failure can leave replicas
+    #: at different steps.
+    commit_agreement: bool = True
+    #: Every N committed steps each rank writes a checkpoint (0: never); the fallback of
+    #: a failure when a role has no data-parallel replica (DP=1).
+    checkpoint_every: int = Field(default=0, ge=0)
+    #: Shared directory of checkpoints (default: <run_dir>/checkpoints).
+    checkpoint_dir: str = ""
+    #: The step during which one live rank per role type records what it receives,
+    #: for standbys' shadow iterations (0: never record).
+    record_step: int = Field(default=1, ge=0)
+    #: Record store directory (default: <run_dir>/records).
+    record_dir: str = ""
 
 
 class ClusterConfig(BaseModel):

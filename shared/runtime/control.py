@@ -6,9 +6,10 @@ carries an ``id`` and gets exactly one reply carrying ``reply_to``; an event car
 neither. Bodies are the pydantic models below (``type`` is each model's ``TYPE``), so a
 non-Python supervisor can speak it from the JSON Schemas (`schemas()`).
 
-Supervisor -> worker requests: prepare, commit, advance, status, stop.
+Supervisor -> worker requests: prepare, commit, advance, status, stop (part 1); warm,
+recover, abort (unplanned failures and warm-up).
 Worker -> supervisor: the hello request (answered by welcome) and the events
-step, ready, switched, plan_failed, exited.
+step, ready, switched, plan_failed, exited; warmed, collective_error, step_aborted.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan
@@ -42,6 +43,9 @@ class Prepare(Message):
 
     TYPE: ClassVar[str] = "prepare"
     plan: Plan
+    #: The rendezvous store (host:port). A standby is not told it before it joins (its
+    #: shadow iterations have no path to the live job); empty: the one from welcome.
+    store: str = ""
 
 
 class Commit(Message):
@@ -62,6 +66,42 @@ class Advance(Message):
 
 class Status(Message):
     TYPE: ClassVar[str] = "status"
+    #: Include a digest of the replicated state (parameters, optimizer, step).
+    digest: bool = False
+
+
+class Warm(Message):
+    """A standby runs shadow iterations for each role type ("first", "middle", "last",
+    or "only" when PP=1) in a sandbox with no path to the live job. Replied at once;
+    `Warmed` follows. Refused once the rank has a role."""
+
+    TYPE: ClassVar[str] = "warm"
+    role_types: list[str]
+    iterations: int = 2
+    #: Names this warm-up's sandbox (the same on every rank of the machine, unique per
+    #: request), so a sandbox store file is never reused.
+    round_id: str = ""
+
+
+class Recover(Message):
+    """The unplanned path: a machine died. Every live rank of the job gets it (and the
+    joiner). Aborts the current epoch (if no rank did yet), discards the in-flight step,
+    rebuilds the delta (and any dirty group), restores the joiner from the plan's state
+    sources (DP replicas) or every rank from the last common checkpoint, and resumes all
+    ranks from the same step in a new epoch (the plan id). `Switched` follows."""
+
+    TYPE: ClassVar[str] = "recover"
+    plan: Plan
+    store: str = ""
+
+
+class Abort(Message):
+    """Abort the in-flight step of vote epoch `epoch` on every rank (written to the
+    store's decision); ignored for a stale epoch. Ranks then wait for `recover`."""
+
+    TYPE: ClassVar[str] = "abort"
+    epoch: str
+    reason: str = ""
 
 
 class Stop(Message):
@@ -88,6 +128,21 @@ class Ack(Message):
     TYPE: ClassVar[str] = "ack"
 
 
+class RecoverAck(Message):
+    TYPE: ClassVar[str] = "recover_ack"
+    #: The rank's part: "stayer", "source" (sends a joiner its state) or "joiner".
+    part: str
+    #: Last committed step when the plan arrived (a joiner: -1, unknown yet).
+    committed: int
+
+
+class AbortAck(Message):
+    TYPE: ClassVar[str] = "abort_ack"
+    #: False for a stale epoch (nothing done).
+    aborted: bool
+    epoch: str
+
+
 class RankStatus(Message):
     TYPE: ClassVar[str] = "rank_status"
     machine: str
@@ -98,6 +153,12 @@ class RankStatus(Message):
     #: kind -> {name, generation, incarnation, rank, size}
     groups: dict[str, dict[str, Any]]
     plan_id: str | None
+    #: Last step whose optimizer update was committed by every rank.
+    last_committed: int = 0
+    #: Current vote epoch and whether it is aborted (waiting for recover).
+    epoch: str = "e0"
+    aborted: bool = False
+    digest: str = ""
 
 
 class Error(Message):
@@ -134,6 +195,9 @@ class StepDone(Message):
     t_end: float
     seconds: float
     loss: float | None = None
+    #: Time spent in the commit vote (the agreement's cost; includes waiting for the
+    #: slowest rank).
+    vote_s: float = 0.0
 
 
 class Ready(Message):
@@ -151,13 +215,70 @@ class Switched(Message):
     TYPE: ClassVar[str] = "switched"
     plan_id: str
     step: int
-    part: Literal["leaver", "joiner", "stayer"]
+    part: Literal["leaver", "joiner", "stayer", "source"]
     #: Groups this rank replaced (stayer, joiner) or closed (leaver).
     rebuilt: list[str]
     t_start: float
     t_end: float
     transfer_bytes: int = 0
     transfer_s: float = 0.0
+    #: Where the joiner's state came from: the leaver (planned), a DP replica
+    #: (unplanned) or the last common checkpoint (every rank reloaded it).
+    source: Literal["leaver", "replica", "checkpoint"] = "leaver"
+    #: Groups outside the delta rebuilt at the same generation because a work of theirs
+    #: was abandoned (recovery only).
+    repaired: list[str] = Field(default_factory=list)
+    #: Recovery: seconds building groups, and the replicated state's digest afterwards.
+    build_s: float = 0.0
+    digest: str = ""
+
+
+class Warmed(Message):
+    """Shadow iterations done. Nothing of them survives into training; what the process
+    keeps is process-wide warmth (imported code, kernels, allocator, compiled graphs)."""
+
+    TYPE: ClassVar[str] = "warmed"
+    role_types: list[str]
+    #: role type -> seconds of each shadow iteration (the first one is the cold one).
+    iteration_s: dict[str, list[float]]
+    #: Sandboxed collectives answered from recordings / synthesised / run for real
+    #: inside the sandbox (the machine's own TP group).
+    replayed: int
+    synthesized: int
+    local: int
+    #: Whether this process knew the rendezvous store while warming (it must not).
+    store_known: bool
+    #: Tensor bytes the runtime keeps from the warm-up (0: models are dropped) and the
+    #: process's resident memory afterwards.
+    kept_bytes: int
+    rss_bytes: int
+    #: Set when the warm-up failed (the standby stays usable, cold).
+    error: str = ""
+
+
+class CollectiveErrorEvent(Message):
+    """A collective of this rank failed (first failure of an epoch): the sidecar
+    publishes it so the health monitor can name the failed machine."""
+
+    TYPE: ClassVar[str] = "collective_error"
+    epoch: str
+    step: int
+    group: str
+    #: The machine blamed: the peer of a point-to-point op or of a two-member group.
+    peer_machine: str | None
+    error: str
+    t: float
+
+
+class StepAbortedEvent(Message):
+    """This rank discarded its in-flight step and waits for `recover`."""
+
+    TYPE: ClassVar[str] = "step_aborted"
+    epoch: str
+    step: int
+    last_committed: int
+    reason: str
+    t: float
 
 
 class PlanFailed(Message):
@@ -181,9 +302,14 @@ MESSAGES: dict[str, type[Message]] = {
         Advance,
         Status,
         Stop,
+        Warm,
+        Recover,
+        Abort,
         PrepareAck,
         CommitAck,
         Ack,
+        RecoverAck,
+        AbortAck,
         RankStatus,
         Error,
         Hello,
@@ -191,6 +317,9 @@ MESSAGES: dict[str, type[Message]] = {
         StepDone,
         Ready,
         Switched,
+        Warmed,
+        CollectiveErrorEvent,
+        StepAbortedEvent,
         PlanFailed,
         Exited,
     )

@@ -4,8 +4,10 @@
 tests and the benchmark use): it launches M machines x G ranks plus standby machines,
 answers their hello with roles and generation-0 groups, keeps the group generations and
 the machine -> cell assignment, and drives a planned migration through the control API:
-prepare (phase 1) -> ready -> commit(k) (phase 2) -> switched. The sidecar of a later
-issue sends the same commands over the same channel.
+prepare (phase 1) -> ready -> commit(k) (phase 2) -> switched; warms standbys (shadow
+iterations); and recovers from a machine failure: detect -> recover(plan) to every live
+rank -> switched, with state from a DP replica, or the last checkpoint when DP=1. The
+sidecar sends the same commands over the same channel (`RankCommands`).
 
 Waits are on events from the workers with deadlines; a worker that dies fails the wait
 at once with the tail of its log instead of letting it run into its deadline.
@@ -26,7 +28,7 @@ from trainmover.runtime.config import JobConfig, save_config
 from trainmover.runtime.launcher import ControlServer, RendezvousHost, spawn_worker
 from trainmover.runtime.layout import MachineRole, Role
 from trainmover.runtime.plan import Plan, RankRef, compute_delta, group_specs
-from trainmover.runtime.supervisor import RankTracker, stop_processes
+from trainmover.runtime.supervisor import RankCommands, RankTracker, stop_processes
 
 REFERENCE_ENTRY = "trainmover.runtime.reference"
 T = TypeVar("T")
@@ -47,6 +49,27 @@ class MigrationReport:
     prepare_acks: dict[RankRef, c.PrepareAck] = field(default_factory=dict)
 
 
+@dataclass
+class RecoveryReport:
+    """What one recovery from a machine failure did."""
+
+    plan: Plan
+    dead: str
+    #: Wall clock: the supervisor noticed the death; the recover plan was sent; acks.
+    detected_at: float
+    recover_sent: float
+    acks: dict[RankRef, c.RecoverAck]
+    switched: dict[RankRef, c.Switched]
+
+    @property
+    def step(self) -> int:
+        """The step every rank resumed from (they all agree, or this raises)."""
+        steps = {e.step for e in self.switched.values()}
+        if len(steps) != 1:
+            raise AssertionError(f"ranks resumed from different steps: {steps}")
+        return steps.pop()
+
+
 class LocalJob:
     """One job's worker processes and the control-plane state that drives them."""
 
@@ -59,8 +82,10 @@ class LocalJob:
         entry: str = REFERENCE_ENTRY,
         store_address: str | None = None,
         timeout_s: float = 120.0,
+        extra_env: dict[str, str] | None = None,
     ):
         self.config = config
+        self.extra_env = extra_env or {}
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.entry = entry
@@ -74,6 +99,7 @@ class LocalJob:
         self.generations: dict[str, int] = dict.fromkeys(self.layout.all_groups(), 0)
         self.limit = config.train.steps if limit is None else limit
         self._plan_ids = itertools.count(1)
+        self._recovery_ids = itertools.count(1)
         self._standby_ids = itertools.count(0)
 
         #: What the workers reported, and their processes.
@@ -90,7 +116,10 @@ class LocalJob:
         self._config_path = save_config(config, self.run_dir / "job.json")
         self._rendezvous = None if store_address else RendezvousHost()
         self.store_address = store_address or self._rendezvous.address  # type: ignore[union-attr]
-        self.control = ControlServer(self._welcome, self.tracker.on_event)
+        self.control = ControlServer(
+            self._welcome, self.tracker.on_event, on_disconnect=self.tracker.on_disconnect
+        )
+        self.commands = RankCommands(self.control, self.tracker, timeout_s)
         try:
             for machine in self.assignment:
                 self._spawn_machine(machine)
@@ -113,14 +142,20 @@ class LocalJob:
     # -- processes ---------------------------------------------------------------------
 
     def _spawn_machine(self, machine: str) -> None:
+        group = 0  # a new process group per machine: it dies (or is killed) as a whole
         for local_rank in range(self.layout.ranks_per_machine):
             ref = RankRef(machine=machine, local_rank=local_rank)
-            self.tracker.add_process(
+            proc = spawn_worker(
                 ref,
-                spawn_worker(
-                    ref, self.entry, self.control.address, self._config_path, self.run_dir
-                ),
+                self.entry,
+                self.control.address,
+                self._config_path,
+                self.run_dir,
+                self.extra_env,
+                process_group=group,
             )
+            group = group or proc.pid
+            self.tracker.add_process(ref, proc)
 
     def add_standbys(self, count: int) -> list[str]:
         """Starts `count` standby machines (they connect and wait for a plan)."""
@@ -140,7 +175,7 @@ class LocalJob:
 
     def wait_connected(self, timeout_s: float | None = None) -> None:
         """Until every process that has not exited (leavers have) has said hello."""
-        expected = {r for r in self.procs if r not in self.exited}
+        expected = {r for r in self.procs if r not in self.exited and r not in self.tracker.lost}
         self._wait(lambda: expected <= self.control.connected(), timeout_s, "hello from all")
 
     def close(self) -> None:
@@ -181,7 +216,9 @@ class LocalJob:
             role=role,
             groups=groups,
             limit=self.limit,
-            store=self.store_address,
+            # A standby learns the store only when it joins (prepare/recover): its shadow
+            # iterations have no path to the live job.
+            store=self.store_address if role is not None else "",
         )
 
     def _wait(self, predicate: Callable[[], T], timeout_s: float | None, what: str) -> T:
@@ -213,11 +250,8 @@ class LocalJob:
     def current_step(self) -> int:
         return max((self.tracker.step_of(r) for r in self.ranks()), default=0)
 
-    def status(self) -> dict[RankRef, c.RankStatus]:
-        return {
-            r: self.control.request(r, c.Status(), self.timeout_s)  # type: ignore[misc]
-            for r in self.ranks()
-        }
+    def status(self, digest: bool = False) -> dict[RankRef, c.RankStatus]:
+        return self.commands.status(self.ranks(), digest=digest)
 
     def finish(self, timeout_s: float | None = None) -> None:
         """Runs the job to its last step and waits for every worker to exit cleanly;
@@ -260,7 +294,11 @@ class LocalJob:
         return out
 
     def _live(self) -> list[RankRef]:
-        return [r for r, p in self.procs.items() if p.poll() is None and r not in self.exited]
+        return [
+            r
+            for r, p in self.procs.items()
+            if p.poll() is None and r not in self.exited and r not in self.tracker.lost
+        ]
 
     # -- migration -----------------------------------------------------------------------
 
@@ -285,39 +323,18 @@ class LocalJob:
     ) -> dict[RankRef, c.PrepareAck]:
         """Phase 1 on the affected ranks (of `machines` only, when given)."""
         chosen = set(plan.affected_machines() if machines is None else machines)
-        return {
-            r: self.control.request(r, c.Prepare(plan=plan), self.timeout_s)  # type: ignore[misc]
-            for r in self.affected_ranks(plan)
-            if r.machine in chosen
-        }
+        refs = [r for r in self.affected_ranks(plan) if r.machine in chosen]
+        acks = self.commands.prepare(refs, plan, store=self.store_address)
+        return {r: a for r, a in acks.items() if isinstance(a, c.PrepareAck)}
 
     def wait_ready(self, plan: Plan, timeout_s: float | None = None) -> dict[RankRef, c.Ready]:
-        refs = self.affected_ranks(plan)
-
-        def all_ready() -> bool:
-            if self.failed.get(plan.plan_id):
-                raise RuntimeError(f"plan {plan.plan_id} failed: {self.failed[plan.plan_id]}")
-            return all(r in self.ready[plan.plan_id] for r in refs)
-
-        self._wait(all_ready, timeout_s, f"ready of {plan.plan_id}")
-        return dict(self.ready[plan.plan_id])
+        return self.commands.wait_ready(self.affected_ranks(plan), plan, timeout_s)
 
     def commit(self, plan: Plan, step: int) -> dict[RankRef, c.CommitAck]:
-        """Phase 2: every affected rank switches at the boundary after `step`."""
-        acks: dict[RankRef, c.CommitAck] = {
-            r: self.control.request(
-                r,
-                c.Commit(plan_id=plan.plan_id, step=step),  # type: ignore[misc]
-                self.timeout_s,
-            )
-            for r in self.affected_ranks(plan)
-        }
-        refused = {str(r): a.reason for r, a in acks.items() if not a.accepted}
-        self.log.info("commit", plan_id=plan.plan_id, step=step, refused=refused or None)
-        if refused:
-            # Part 1 has no abort path yet (issue 5): a refused commit is fatal to the plan.
-            raise RuntimeError(f"commit({step}) of {plan.plan_id} refused: {refused}")
-        return acks
+        """Phase 2: every affected rank switches at the boundary after `step`; a refusal
+        (a rank already past it) fails the plan."""
+        self.log.info("commit", plan_id=plan.plan_id, step=step)
+        return self.commands.commit(self.affected_ranks(plan), plan, step)
 
     def wait_switched(
         self, plan: Plan, timeout_s: float | None = None
@@ -325,11 +342,7 @@ class LocalJob:
         """Until every affected rank switched; then records the new assignment and
         generations (the control plane's side of the commit)."""
         refs = self.affected_ranks(plan)
-        self._wait(
-            lambda: all(r in self.switched[plan.plan_id] for r in refs),
-            timeout_s,
-            f"switch of {plan.plan_id}",
-        )
+        self.commands.wait_switched(refs, plan, timeout_s)
         leavers = self.ranks(plan.leavers())
         self._wait(
             lambda: all(self.procs[r].poll() is not None for r in leavers),
@@ -391,6 +404,91 @@ class LocalJob:
         return MigrationReport(
             plan, step, prepare_sent, ready, ready_at, commit_sent, commit_acked, switched, acks
         )
+
+    # -- warm-up and unplanned failures --------------------------------------------------
+
+    def warm(
+        self,
+        machines: Iterable[str] | None = None,
+        role_types: list[str] | None = None,
+        iterations: int = 2,
+        timeout_s: float | None = None,
+    ) -> dict[RankRef, c.Warmed]:
+        """Shadow iterations on standbys (default: all, for every role type)."""
+        refs = self.ranks(self.standbys if machines is None else machines)
+        self.wait_connected(timeout_s)
+        types = role_types or list(self.layout.role_types())
+        return self.commands.warm(refs, types, iterations, timeout_s)
+
+    def abort(self, reason: str = "aborted by the driver") -> dict[RankRef, c.AbortAck]:
+        """Aborts the in-flight step of the current epoch on every live active rank."""
+        refs = [r for r in self.ranks() if r in self._live()]
+        epochs = {s.epoch for s in self.commands.status(refs[:1]).values()}
+        return self.commands.abort(refs, epochs.pop(), reason)
+
+    def wait_failure(self, timeout_s: float | None = None) -> tuple[str, float]:
+        """Until a worker of an active machine dies; returns that machine and when it was
+        noticed (its control connection closing is usually the first sign). Its ranks
+        are then known lost."""
+
+        def dead_machine() -> str | None:
+            dead = [r for r in self.tracker.dead() if r.machine in self.assignment]
+            gone = [r for r in self.tracker.disconnected if r.machine in self.assignment]
+            gone = [r for r in gone if r not in self.tracker.lost and r not in self.exited]
+            return (dead or gone)[0].machine if dead or gone else None
+
+        machine = self.tracker.wait(dead_machine, timeout_s or self.timeout_s, "a failure", [])
+        assert machine is not None
+        noticed = time.time()
+        self.tracker.mark_lost(self.ranks([machine]))
+        return machine, noticed
+
+    def replica_of(self, machine: str) -> str | None:
+        """An active machine holding the same roles in another DP replica."""
+        cell = self.assignment[machine]
+        return next(
+            (
+                m
+                for m, other in sorted(self.assignment.items())
+                if other.pp == cell.pp and other.dp != cell.dp
+            ),
+            None,
+        )
+
+    def recover(
+        self,
+        dead: str,
+        joiner: str | None = None,
+        detected_at: float | None = None,
+        timeout_s: float | None = None,
+    ) -> RecoveryReport:
+        """The unplanned path: `dead` failed. A standby takes its roles; its state comes
+        from a DP replica, or (DP=1) every rank reloads the last common checkpoint."""
+        detected_at = detected_at or time.time()
+        self.tracker.mark_lost(self.ranks([dead]))
+        joiner = joiner or self.standbys[0]
+        replica = self.replica_of(dead)
+        plan = compute_delta(
+            job=self.config.job,
+            plan_id=f"r{next(self._recovery_ids)}",
+            layout=self.layout,
+            assignment=self.assignment,
+            generations=self.generations,
+            moves={dead: joiner},
+            sources={dead: replica} if replica else None,
+            restore="transfer" if replica else "checkpoint",
+        )
+        refs = self.ranks((set(self.assignment) - {dead}) | {joiner})
+        self.log.info("recover", plan_id=plan.plan_id, dead=dead, joiner=joiner, source=replica)
+        recover_sent = time.time()
+        acks = self.commands.recover(refs, plan, store=self.store_address)
+        switched = self.commands.wait_switched(refs, plan, timeout_s)
+        del self.assignment[dead]
+        self.assignment[joiner] = plan.moves[0].cell
+        self.standbys.remove(joiner)
+        for spec in plan.groups:
+            self.generations[spec.name] = spec.generation
+        return RecoveryReport(plan, dead, detected_at, recover_sent, acks, switched)
 
 
 def main(argv: list[str] | None = None) -> int:

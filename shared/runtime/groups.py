@@ -8,6 +8,10 @@ arbiter: a rank of an old generation, or any second claimant, can never join.
 
 A rank's `GroupTable` maps each group kind (tp, pp, dp) to its current `Group`. Swapping
 replaces only the named kinds; every other entry stays the very same object.
+
+Every wait on a work item goes through the rank's `AbortSignal` (bounded, abortable),
+and a group remembers whether a work of it was abandoned or failed (`dirty`): such a
+group is out of step with its peers and a recovery rebuilds it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -22,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainmover.runtime import fault
+from trainmover.runtime.abort import WAITER, AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.plan import GroupSpec, RankRef
 
 _incarnations = itertools.count(1)
@@ -36,23 +43,61 @@ class StaleMemberError(RuntimeError):
     """A rank tried to join a group slot that the store says belongs to someone else."""
 
 
+class PendingWork:
+    """A posted work item of a group, waited through the rank's abort signal.
+
+    A collective's work is waited in slices; a point-to-point work is handed to the
+    `Waiter` at once (its own timed wait would close the gloo pair)."""
+
+    def __init__(self, group: Group, work: Any, peer: int | None, p2p: bool):
+        self.group, self.work, self.peer = group, work, peer
+        self.future = WAITER.submit(work) if p2p else None
+        self.failed = False
+
+    @property
+    def done(self) -> bool:
+        """Finished successfully (an abandoned or failed work is not)."""
+        if self.failed:
+            return False
+        if self.future is not None:
+            return self.future.done() and self.future.exception() is None
+        return bool(self.work.is_completed())
+
+    def wait(self) -> None:
+        self.group._wait(self)
+
+
 class Group:
     """One built incarnation of a group, with the collectives the runtime uses.
 
-    Every call waits for its work item; `send` returns the work instead so a pipeline
-    can post sends and wait for them later.
+    Every call waits for its work item; `send` returns a `PendingWork` instead so a
+    pipeline can post sends and wait for them later.
     """
 
-    def __init__(self, spec: GroupSpec, rank: int, backend: Backend, build_s: float):
+    def __init__(
+        self,
+        spec: GroupSpec,
+        rank: int,
+        backend: Backend,
+        build_s: float,
+        signal: AbortSignal | None = None,
+    ):
         self.spec = spec
         self.rank = rank
         self.size = len(spec.members)
         self.backend = backend
         self.build_s = build_s
+        self.signal = signal or AbortSignal()
         #: Unique per process for the life of the process (unlike id()), so a snapshot
         #: can prove that a group object was not replaced.
         self.incarnation = next(_incarnations)
         self._closed = False
+        #: Works posted and not yet waited to success; a failed one taints the group.
+        self._inflight: list[PendingWork] = []
+        self._failed = False
+        #: Sees every tensor received (tag, tensor): how a live rank records for shadow
+        #: iterations (`trainmover.runtime.sandbox.Recorder`).
+        self.tap: Callable[[int, torch.Tensor], None] | None = None
 
     @property
     def name(self) -> str:
@@ -62,19 +107,64 @@ class Group:
     def generation(self) -> int:
         return self.spec.generation
 
+    @property
+    def dirty(self) -> bool:
+        """A work of this incarnation failed or was abandoned unfinished: its peers'
+        sequence of operations no longer matches ours, so it must not be used again."""
+        return self._failed or any(not w.done for w in self._inflight)
+
+    def peer_machine(self, peer: int | None) -> str | None:
+        """The machine to blame when a work fails: the named peer, or the only other
+        member; unknown in a larger collective."""
+        if peer is None and self.size == 2:
+            peer = 1 - self.rank
+        return None if peer is None else self.spec.members[peer].machine
+
+    def _post(self, start: Callable[[], Any], peer: int | None, p2p: bool = False) -> PendingWork:
+        """Starts a work item; posting itself fails at once on a closed connection."""
+        if self.signal.is_set():
+            raise StepAborted(f"{self.name}: step aborted ({self.signal.reason})")
+        try:
+            work = start()
+        except RuntimeError as exc:
+            self._failed = True
+            error = CollectiveError(self.name, self.peer_machine(peer), str(exc).strip()[:500])
+            self.signal.fail(error)
+            raise error from None
+        pending = PendingWork(self, work, peer, p2p)
+        self._inflight.append(pending)
+        return pending
+
+    def _wait(self, pending: PendingWork) -> None:
+        peer = self.peer_machine(pending.peer)
+        try:
+            if pending.future is not None:
+                self.signal.wait_future(pending.future, self.name, peer)
+            else:
+                self.signal.wait_work(pending.work, self.name, peer)
+        except CollectiveError:
+            pending.failed = self._failed = True
+            raise
+        self._inflight.remove(pending)
+
     def allreduce(self, tensor: torch.Tensor) -> None:
         """In-place sum over the group."""
         if self.size > 1:
-            self.backend.allreduce([tensor]).wait()
+            pending = self._post(lambda: self.backend.allreduce([tensor]), None)
+            if self.spec.kind == "dp":
+                fault.point("dp-allreduce")  # test-only: a machine dies mid all-reduce
+            self._wait(pending)
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:
-        return self.backend.send([tensor], peer, tag)
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> PendingWork:
+        return self._post(lambda: self.backend.send([tensor], peer, tag), peer, p2p=True)
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
-        self.backend.recv([tensor], peer, tag).wait()
+        self._wait(self._post(lambda: self.backend.recv([tensor], peer, tag), peer, p2p=True))
+        if self.tap is not None:
+            self.tap(tag, tensor)
 
     def barrier(self) -> None:
-        self.backend.barrier().wait()
+        self._wait(self._post(lambda: self.backend.barrier(), None))
 
     def shutdown(self) -> None:
         """Releases the backend. Explicit, because a gloo group still alive at interpreter
@@ -90,6 +180,7 @@ class Group:
         return {
             "name": self.name,
             "generation": self.generation,
+            "repair": self.spec.repair,
             "incarnation": self.incarnation,
             "rank": self.rank,
             "size": self.size,
@@ -120,6 +211,7 @@ def build_group(
     job: str,
     device: torch.device,
     timeout_s: float,
+    signal: AbortSignal | None = None,
 ) -> Group:
     """Claims my slot of `spec` in the store, then joins the group (blocks until all
     members arrived). Safe to call from a background thread: the backend constructor
@@ -135,7 +227,7 @@ def build_group(
         )
     started = time.perf_counter()
     backend = _make_backend(prefixed, rank, len(spec.members), timedelta(seconds=timeout_s), device)
-    return Group(spec, rank, backend, time.perf_counter() - started)
+    return Group(spec, rank, backend, time.perf_counter() - started, signal)
 
 
 class GroupTable:
@@ -157,7 +249,13 @@ class GroupTable:
         replaced = []
         for group in groups:
             old = self._groups.get(group.spec.kind)
-            if old is not None and old.generation >= group.generation:
+            # A repair (same generation, new prefix) replaces a dirty incarnation.
+            repair = (
+                old is not None
+                and old.generation == group.generation
+                and group.spec.repair not in ("", old.spec.repair)
+            )
+            if old is not None and old.generation >= group.generation and not repair:
                 raise StaleMemberError(
                     f"{group.name}: generation {group.generation} is not newer than "
                     f"{old.generation}"
@@ -171,6 +269,9 @@ class GroupTable:
         for group in self._groups.values():
             group.shutdown()
         self._groups.clear()
+
+    def values(self) -> list[Group]:
+        return list(self._groups.values())
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """kind -> name, generation, incarnation: what tests compare across a migration."""
@@ -190,6 +291,7 @@ class GroupBuilder:
     job: str
     device: torch.device
     timeout_s: float
+    signal: AbortSignal | None = None
     built: list[Group] = field(default_factory=list)
     error: BaseException | None = None
     started: float = 0.0
@@ -205,7 +307,15 @@ class GroupBuilder:
         try:
             for spec in self.specs:
                 self.built.append(
-                    build_group(spec, self.me, self.store, self.job, self.device, self.timeout_s)
+                    build_group(
+                        spec,
+                        self.me,
+                        self.store,
+                        self.job,
+                        self.device,
+                        self.timeout_s,
+                        self.signal,
+                    )
                 )
         except BaseException as exc:  # reported to the caller, never swallowed
             self.error = exc

@@ -47,8 +47,16 @@ class ControlServer:
     `on_hello` answers each worker's hello (its role and groups); every event goes to
     `on_event` with the sender; `request` sends a command to one worker."""
 
-    def __init__(self, on_hello: HelloHandler, on_event: EventSink, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        on_hello: HelloHandler,
+        on_event: EventSink,
+        host: str = "127.0.0.1",
+        on_disconnect: Callable[[RankRef], None] | None = None,
+    ):
         self._on_hello, self._on_event = on_hello, on_event
+        #: Called when a named worker's connection closes (exit, or its machine died).
+        self._on_disconnect = on_disconnect
         self._listener = socket.create_server((host, 0))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._conns: dict[RankRef, c.Connection] = {}
@@ -92,8 +100,14 @@ class _WorkerLink:
     def __init__(self, server: ControlServer, sock: socket.socket):
         self.server = server
         self.ref: RankRef | None = None
-        self.conn = c.Connection(sock, on_request=self._on_request, on_event=self._on_event)
+        self.conn = c.Connection(
+            sock, on_request=self._on_request, on_event=self._on_event, on_close=self._on_close
+        )
         self.conn.start(name="control-conn")
+
+    def _on_close(self) -> None:
+        if self.ref is not None and self.server._on_disconnect is not None:
+            self.server._on_disconnect(self.ref)
 
     def _on_request(self, msg: c.Message) -> c.Message:
         if not isinstance(msg, c.Hello):
@@ -115,8 +129,11 @@ def spawn_worker(
     config_path: Path,
     run_dir: Path,
     extra_env: dict[str, str] | None = None,
+    process_group: int | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Starts one worker process; its output goes to run_dir/logs/<machine>-<rank>.log."""
+    """Starts one worker process; its output goes to run_dir/logs/<machine>-<rank>.log.
+    `process_group`: 0 starts a new process group, a pid joins that process's group;
+    a machine's workers share one, so a machine can die (or be killed) as a whole."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {
@@ -140,6 +157,7 @@ def spawn_worker(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            process_group=process_group,
         )
     finally:
         log.close()  # the child holds its own descriptor

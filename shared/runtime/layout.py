@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 GroupKind = Literal["tp", "pp", "dp", "transfer"]
 
+#: A machine role's warm-up class: its pipeline stage's position (what a standby warms).
+RoleType = Literal["only", "first", "middle", "last"]
+
 #: Group kinds a training role belongs to (one group of each kind).
 ROLE_GROUP_KINDS: tuple[GroupKind, ...] = ("tp", "pp", "dp")
 
@@ -67,6 +70,26 @@ class Layout(BaseModel):
     def roles_of(self, cell: MachineRole) -> list[Role]:
         """The roles of a machine, indexed by local rank."""
         return [Role(dp=cell.dp, pp=cell.pp, tp=t) for t in range(self.tp)]
+
+    def role_type(self, pp: int) -> RoleType:
+        """The warm-up class of pipeline stage `pp` (the planner uses the same names)."""
+        if self.pp == 1:
+            return "only"
+        if pp == 0:
+            return "first"
+        return "last" if pp == self.pp - 1 else "middle"
+
+    def role_types(self) -> list[RoleType]:
+        """Every distinct role type of the layout, in pipeline order."""
+        return list(dict.fromkeys(self.role_type(p) for p in range(self.pp)))
+
+    def role_of_type(self, role_type: str, tp: int) -> Role:
+        """A representative role of `role_type` (replica 0, the first such stage): what a
+        standby builds to warm up for every role of that type."""
+        for p in range(self.pp):
+            if self.role_type(p) == role_type:
+                return Role(dp=0, pp=p, tp=tp)
+        raise ValueError(f"no role of type {role_type!r} in {self}")
 
     def global_rank(self, role: Role) -> int:
         """A conventional flat rank, for logs only (groups never use it)."""

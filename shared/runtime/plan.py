@@ -12,6 +12,8 @@ rank ever builds comes from the supervisor/planner, never from the rank's own gu
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainmover.runtime.layout import GroupKind, Layout, MachineRole, Role
@@ -41,11 +43,16 @@ class GroupSpec(BaseModel):
     generation: int = Field(ge=0)
     #: Members in group-rank order.
     members: list[RankRef]
+    #: Set when a recovery rebuilds a group outside the delta whose old incarnation is
+    #: dirty (an abandoned work): same members and generation, a prefix of its own.
+    repair: str = ""
 
     def store_prefix(self, job: str) -> str:
-        """Rendezvous key prefix. Never reused: a new incarnation gets a new generation,
-        and members reusing an old prefix would dial the old members' addresses."""
-        return f"{job}/{self.name}/g{self.generation}/"
+        """Rendezvous key prefix. Never reused: a new incarnation gets a new generation
+        (or a repair tag), and members reusing an old prefix would dial the old members'
+        addresses."""
+        base = f"{job}/{self.name}/g{self.generation}/"
+        return f"{base}r-{self.repair}/" if self.repair else base
 
     def group_rank(self, me: RankRef) -> int | None:
         """My rank in this group, or None when I am not a member."""
@@ -64,6 +71,13 @@ class Move(BaseModel):
     joiner: str
     cell: MachineRole
     roles: list[Role]
+    #: The machine the joiner's state comes from: None for the leaver itself (planned),
+    #: a data-parallel replica of the cell (unplanned); unused for a checkpoint restore.
+    source: str | None = None
+
+    @property
+    def state_source(self) -> str:
+        return self.source or self.leaver
 
 
 class Plan(BaseModel):
@@ -77,8 +91,15 @@ class Plan(BaseModel):
     moves: list[Move]
     #: The delta: new-generation groups (all groups when `full` was asked for).
     groups: list[GroupSpec]
-    #: One pair per moved role: [leaver rank, joiner rank].
+    #: One pair per moved role: [state source rank, joiner rank].
     transfers: list[GroupSpec]
+    #: Where joiners get state: over the transfer pairs, or (no replica, DP=1) every rank
+    #: of the job reloads the last checkpoint common to all roles.
+    restore: Literal["transfer", "checkpoint"] = "transfer"
+
+    def sources(self) -> set[str]:
+        """Machines that send state to a joiner (leavers, or replicas when unplanned)."""
+        return {m.state_source for m in self.moves} if self.restore == "transfer" else set()
 
     def leavers(self) -> set[str]:
         return {m.leaver for m in self.moves}
@@ -141,13 +162,20 @@ def compute_delta(
     generations: dict[str, int],
     moves: dict[str, str],
     full: bool = False,
+    sources: dict[str, str] | None = None,
+    restore: Literal["transfer", "checkpoint"] = "transfer",
 ) -> Plan:
     """The plan that moves each leaver in `moves` (leaver -> joiner) to its joiner.
 
     `assignment` maps active machines to cells before the migration and `generations` is
     the current generation of every group. With `full`, every group of the job is rebuilt
-    (the baseline the delta is compared against).
+    (the baseline the delta is compared against). `sources` (leaver -> machine) names
+    where each joiner's state comes from when not from the leaver: a data-parallel
+    replica of the leaver's cell (unplanned; the pair is then [replica rank, joiner
+    rank]). With `restore="checkpoint"` there are no transfer pairs: every rank reloads
+    the last common checkpoint.
     """
+    sources = sources or {}
     plan_moves: list[Move] = []
     after = dict(assignment)
     for leaver, joiner in sorted(moves.items()):
@@ -156,8 +184,19 @@ def compute_delta(
         if joiner in assignment:
             raise ValueError(f"{joiner} is already active, not a standby")
         cell = assignment[leaver]
+        source = sources.get(leaver)
+        if source is not None and source != leaver:
+            other = assignment.get(source)
+            if other is None or other.pp != cell.pp or other.dp == cell.dp:
+                raise ValueError(f"{source} is not a data-parallel replica of {leaver}")
         plan_moves.append(
-            Move(leaver=leaver, joiner=joiner, cell=cell, roles=layout.roles_of(cell))
+            Move(
+                leaver=leaver,
+                joiner=joiner,
+                cell=cell,
+                roles=layout.roles_of(cell),
+                source=None if source in (None, leaver) else source,
+            )
         )
         del after[leaver]
         after[joiner] = cell
@@ -173,9 +212,18 @@ def compute_delta(
             name=f"transfer.{plan_id}.{role.key}",
             kind="transfer",
             generation=0,
-            members=[rank_of(m.leaver, role), rank_of(m.joiner, role)],
+            # The source's rank of the same tp (local rank = tp on every machine).
+            members=[rank_of(m.state_source, role), rank_of(m.joiner, role)],
         )
         for m in plan_moves
         for role in m.roles
+        if restore == "transfer"
     ]
-    return Plan(job=job, plan_id=plan_id, moves=plan_moves, groups=groups, transfers=transfers)
+    return Plan(
+        job=job,
+        plan_id=plan_id,
+        moves=plan_moves,
+        groups=groups,
+        transfers=transfers,
+        restore=restore,
+    )

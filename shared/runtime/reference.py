@@ -2,16 +2,23 @@
 
 Run by the launcher as ``python -m trainmover.runtime.reference`` in every worker
 process (active or standby). It is also the example of the integration surface: apart
-from building its model, the loop only calls `Runtime` a handful of times.
+from building its model (`build`, which a standby also uses for shadow iterations), the
+loop only calls `Runtime` a handful of times.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from trainmover.runtime.config import JobConfig
 from trainmover.runtime.data import TokenStream
+from trainmover.runtime.groups import GroupTable
+from trainmover.runtime.layout import Role
 from trainmover.runtime.model import StageModel
 from trainmover.runtime.train_step import train_step
 from trainmover.runtime.worker import Runtime
@@ -23,46 +30,83 @@ def warm_up() -> None:
     torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
 
 
+@dataclass
+class RoleJob:
+    """One role's model, optimizer, data reader and dropout generator."""
+
+    cfg: JobConfig
+    role: Role
+    model: StageModel
+    optimizer: torch.optim.Optimizer
+    data: TokenStream
+    dropout: torch.Generator
+
+    def step(self, groups: GroupTable, step: int) -> float | None:
+        # Dropout draws from a generator reseeded from (role, step): a role's masks are
+        # the same whoever plays it, so a joiner restored from a DP replica (whose own
+        # generator differs) continues exactly.
+        lay = self.cfg.layout
+        self.dropout.manual_seed(
+            (self.cfg.train.seed * 1_000_003 + (self.role.dp * lay.pp + self.role.pp)) * 100_003
+            + step
+        )
+        return train_step(
+            self.model,
+            self.optimizer,
+            self.data.next_batch(),
+            groups,
+            self.cfg.train.micro_batches,
+            self.cfg.model.d_model,
+        )
+
+
+def build(cfg: JobConfig, role: Role, groups: GroupTable, device: torch.device) -> RoleJob:
+    """The role's model (collectives looked up in `groups` at call time), optimizer and
+    data reader."""
+    dropout = torch.Generator(device=device)
+    model = StageModel(
+        cfg.model, cfg.layout, role, cfg.train.seed, lambda: groups["tp"], dropout
+    ).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    if cfg.train.compile:
+        # Eager and compiled results differ numerically: a joiner runs the leaver's
+        # mode because both read it from the same config.
+        model.compile()
+    data = TokenStream(
+        seed=cfg.train.seed,
+        seq_len=cfg.model.seq_len,
+        vocab_size=cfg.model.vocab_size,
+        local_batch=cfg.train.micro_batch_size * cfg.train.micro_batches,
+        dp_rank=role.dp,
+        dp_size=cfg.layout.dp,
+    )
+    return RoleJob(cfg, role, model, optimizer, data, dropout)
+
+
 def main() -> int:
     with Runtime.from_env() as rt:
         cfg = rt.config
         warm_up()
-        role = rt.wait_for_role()
+
+        def shadow(role: Role, groups: GroupTable) -> Callable[[], object]:
+            job = build(cfg, role, groups, rt.device)
+            steps = itertools.count(1)
+            return lambda: job.step(groups, next(steps))
+
+        role = rt.wait_for_role(shadow=shadow)
         if role is None:
             return 0  # a standby released without being used
         torch.manual_seed(cfg.train.seed)
-        # Shared by the TP ranks of a machine (same masks on replicated activations),
-        # distinct per pipeline stage and replica.
-        dropout = torch.Generator(device=rt.device).manual_seed(
-            cfg.train.seed * 1_000 + role.dp * cfg.layout.pp + role.pp
+        job = build(cfg, role, rt.groups, rt.device)
+        rt.track(
+            job.model,
+            job.optimizer,
+            stateful={"data": job.data},
+            generators={"dropout": job.dropout},
         )
-        model = StageModel(
-            cfg.model, cfg.layout, role, cfg.train.seed, lambda: rt.groups["tp"], dropout
-        ).to(rt.device)
-        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
-        if cfg.train.compile:
-            # Eager and compiled results differ numerically: a joiner runs the leaver's
-            # mode because both read it from the same config.
-            model.compile()
-        data = TokenStream(
-            seed=cfg.train.seed,
-            seq_len=cfg.model.seq_len,
-            vocab_size=cfg.model.vocab_size,
-            local_batch=cfg.train.micro_batch_size * cfg.train.micro_batches,
-            dp_rank=role.dp,
-            dp_size=cfg.layout.dp,
-        )
-        rt.track(model, optimizer, stateful={"data": data}, generators={"dropout": dropout})
-        for _step in rt.steps():
-            loss = train_step(
-                model,
-                optimizer,
-                data.next_batch(),
-                rt.groups,
-                cfg.train.micro_batches,
-                cfg.model.d_model,
-            )
-            rt.report(loss=loss)
+        for step in rt.steps():
+            with rt.attempt():
+                rt.report(loss=job.step(rt.groups, step))
     return 0
 
 

@@ -10,6 +10,7 @@ model before copying anything.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ class Stateful(Protocol):
 class TransferStats:
     bytes: int
     seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,13 +102,42 @@ class TrainingState:
             obj.load_state_dict(header["stateful"][name])
         self.step = int(header["step"])
 
+    def light(self) -> dict[str, Any]:
+        """What a step changes besides parameters and optimizer (which only a committed
+        step changes): helper states (data position) and RNGs. Taken at each step start
+        so a discarded step can be rolled back and re-executed with the same data."""
+        return {
+            "stateful": {n: s.state_dict() for n, s in self.stateful.items()},
+            "rng.torch": torch.get_rng_state(),
+            "rng": {n: g.get_state() for n, g in self.generators.items()},
+        }
+
+    def restore_light(self, light: dict[str, Any]) -> None:
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(light["stateful"][name])
+        torch.set_rng_state(light["rng.torch"])
+        for name, gen in self.generators.items():
+            gen.set_state(light["rng"][name])
+
+    def digest(self) -> str:
+        """Hash of what data-parallel replicas must hold identically: step, parameters and
+        optimizer state (not RNGs, which are per replica)."""
+        h = hashlib.sha256(str(self.step).encode())
+        for name, t in self.named_tensors().items():
+            if not name.startswith("rng."):
+                h.update(name.encode())
+                h.update(_as_bytes(t.cpu()).numpy().tobytes())
+        return h.hexdigest()[:16]
+
     # -- peer transfer -----------------------------------------------------------------
 
-    def send(self, group: Group, peer: int) -> TransferStats:
-        """Sends the whole state to `peer` (the joiner's rank in a transfer pair)."""
+    def send(self, group: Group, peer: int, extra: dict[str, Any] | None = None) -> TransferStats:
+        """Sends the whole state to `peer` (the joiner's rank in a transfer pair), with
+        `extra` (the runtime's own JSON, e.g. the vote epoch) alongside."""
         started = time.perf_counter()
         tensors = self.named_tensors()
         meta = {
+            "extra": extra or {},
             "header": self.header(),
             "tensors": [
                 [n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in tensors.items()
@@ -123,7 +154,8 @@ class TrainingState:
         return TransferStats(bytes=int(payload.numel()), seconds=time.perf_counter() - started)
 
     def receive(self, group: Group, peer: int) -> TransferStats:
-        """Receives a state sent by `send` from `peer` and restores it."""
+        """Receives a state sent by `send` from `peer` and restores it; the sender's
+        `extra` is in the returned stats."""
         started = time.perf_counter()
         device = _device_of(self.model)
         sizes = torch.empty(2, dtype=torch.int64, device=device)
@@ -136,7 +168,11 @@ class TrainingState:
         tensors = _unpack(payload, meta["tensors"])
         _check_matches(tensors, self.named_tensors())
         self.restore(meta["header"], tensors)
-        return TransferStats(bytes=int(payload.numel()), seconds=time.perf_counter() - started)
+        return TransferStats(
+            bytes=int(payload.numel()),
+            seconds=time.perf_counter() - started,
+            extra=meta.get("extra", {}),
+        )
 
     # -- files -------------------------------------------------------------------------
 

@@ -10,10 +10,10 @@ never blocks on its own send while its peer blocks on another.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainmover.runtime.groups import Group, GroupTable
+from trainmover.runtime import fault
+from trainmover.runtime.groups import Group, GroupTable, PendingWork
 from trainmover.runtime.model import StageModel
 
 
@@ -44,7 +44,7 @@ def pipeline_step(
     stage, last = pp.rank, pp.rank == pp.size - 1
     device = next(model.parameters()).device
     xs, ys = inputs.to(device).chunk(micro_batches), targets.to(device).chunk(micro_batches)
-    pending: list[tuple[dist.Work, torch.Tensor]] = []  # (work, tensor kept alive until waited)
+    pending: list[tuple[PendingWork, torch.Tensor]] = []  # (work, tensor alive until waited)
     saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     total = 0.0
 
@@ -64,6 +64,7 @@ def pipeline_step(
             act = out.detach().contiguous()
             pending.append((pp.send(act, stage + 1, tag=i), act))
         saved.append((inp, out))
+        fault.point("forward")  # test-only: a machine dies mid forward
 
     for i in reversed(range(micro_batches)):
         inp, out = saved[i]
@@ -73,6 +74,7 @@ def pipeline_step(
             grad = torch.empty_like(out)
             pp.recv(grad, stage + 1, tag=micro_batches + i)
             out.backward(grad)
+        fault.point("backward")  # test-only: a machine dies mid backward
         if inp is not None and inp.grad is not None:
             g = inp.grad.contiguous()
             pending.append((pp.send(g, stage - 1, tag=micro_batches + i), g))

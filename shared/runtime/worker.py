@@ -9,22 +9,31 @@ A loop runs under TrainMover with a few lines (see `trainmover.runtime.reference
         model, optimizer, data = build(role, group_of=lambda: rt.groups["tp"])
         rt.track(model, optimizer, stateful={"data": data}, generators={"dropout": gen})
         for step in rt.steps():              # boundaries: switches, transfer, holds, stop
-            loss = train_one_step(model, optimizer, data.next_batch(), rt.groups)
-            rt.report(loss=loss)
+            with rt.attempt():               # a failed step is discarded, not fatal
+                loss = train_one_step(model, optimizer, data.next_batch(), rt.groups)
+                rt.report(loss=loss)
 
 `Runtime` answers the control API (`trainmover.runtime.control`) on a reader thread and
 does everything that touches training at step boundaries, on the training thread:
 phase 1 (prepare) only starts a background group builder, and phase 2 (commit) only
 records the switch step; the switch itself, the state transfer and the exit of a leaver
 happen in `steps()` between two steps.
+
+Unplanned failures: every wait on a collective is bounded and abortable
+(`trainmover.runtime.abort`), the optimizer step is gated by the per-step commit
+agreement (`trainmover.runtime.agreement`), and a discarded step is rolled back (data
+position, RNGs) so it re-executes with the same data after `recover`. A standby answers
+`warm` with shadow iterations (`trainmover.runtime.shadow`) while it waits for a role.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -33,12 +42,16 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from trainmover.runtime import checkpoint, fault, logs
 from trainmover.runtime import control as c
-from trainmover.runtime import logs
+from trainmover.runtime.abort import AbortSignal, CollectiveError, StepAborted
+from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.config import JobConfig, load_config
 from trainmover.runtime.groups import Group, GroupBuilder, GroupTable, pick_device
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan, RankRef
+from trainmover.runtime.sandbox import DirectoryRecordStore, Recorder
+from trainmover.runtime.shadow import ShadowFn, run_shadow
 from trainmover.runtime.state import Stateful, TrainingState
 
 #: Environment the launcher sets for every worker process.
@@ -49,6 +62,7 @@ ENV_CONFIG = "TM_CONFIG"
 ENV_RUN_DIR = "TM_RUN_DIR"
 
 Part = Literal["leaver", "joiner", "stayer"]
+RecoveryPart = Literal["joiner", "source", "stayer"]
 
 
 class SupervisorGone(RuntimeError):
@@ -67,7 +81,17 @@ class _Migration:
     steps_during_build: int = 0
 
 
+@dataclass
+class _Recovery:
+    """This rank's view of the recover plan in flight."""
+
+    plan: Plan
+    part: RecoveryPart
+
+
 def _store_client(address: str, timeout_s: float) -> dist.TCPStore:
+    if not address:
+        raise RuntimeError("no rendezvous store known (a standby learns it when it joins)")
     host, port = c.parse_address(address)
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
@@ -97,6 +121,26 @@ class Runtime:
         self._loss: float | None = None
         self._step_started = 0.0
         self._timeout_s = config.runtime.group_timeout_s
+        # Unplanned failures: the abort signal every wait checks, the commit vote, the
+        # recover plan in flight, and the step in flight (None between steps).
+        self.signal = AbortSignal("e0", config.runtime.failure_timeout_s)
+        self.signal.on_failure = self._on_collective_failure
+        self._agreement: CommitAgreement | None = None
+        self._recovery: _Recovery | None = None
+        self._in_flight: int | None = None
+        self._voted = self._discarded = self._committed_in_flight = False
+        self._warm_queue: list[c.Warm] = []
+        self._warm_rounds = 0
+        self._recorder: Recorder | None = None
+        self.records = DirectoryRecordStore(
+            Path(config.runtime.record_dir) if config.runtime.record_dir else run_dir / "records"
+        )
+        self.checkpoint_root = (
+            Path(config.runtime.checkpoint_dir)
+            if config.runtime.checkpoint_dir
+            else run_dir / "checkpoints"
+        )
+        fault.arm(machine)
 
         torch.set_num_threads(config.runtime.threads)
         logs.configure()
@@ -133,14 +177,64 @@ class Runtime:
 
     # -- integration surface -----------------------------------------------------------
 
-    def wait_for_role(self, timeout_s: float | None = None) -> Role | None:
-        """This rank's role; a standby blocks until a plan assigns one. None when the
-        supervisor stopped it first."""
-        with self._cond:
-            ok = self._cond.wait_for(lambda: self.role is not None or self._stop, timeout_s)
-            if not ok:
-                raise TimeoutError("no role assigned")
-            return self.role
+    def wait_for_role(
+        self, timeout_s: float | None = None, shadow: ShadowFn | None = None
+    ) -> Role | None:
+        """This rank's role; a standby blocks until a plan assigns one (None when the
+        supervisor stopped it first). Meanwhile it answers `warm` requests by running
+        `shadow` for each role type asked for, on this (the training) thread."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                ok = self._cond.wait_for(
+                    lambda: self.role is not None or self._stop or bool(self._warm_queue),
+                    None if deadline is None else max(0.0, deadline - time.monotonic()),
+                )
+                if not ok:
+                    raise TimeoutError("no role assigned")
+                if self.role is not None or self._stop:
+                    return self.role
+                warm = self._warm_queue.pop(0)
+            self._warm(warm, shadow)
+
+    def _warm(self, warm: c.Warm, shadow: ShadowFn | None) -> None:
+        self._warm_rounds += 1
+        round_id = warm.round_id or f"{os.getppid()}-{self._warm_rounds}"
+        try:
+            if shadow is None:
+                raise RuntimeError("this job gave wait_for_role no shadow step")
+            warmed = run_shadow(
+                self.me,
+                self.config.layout,
+                warm,
+                shadow,
+                self.records,
+                self.run_dir / "sandbox" / self.me.machine,
+                round_id,
+                self._timeout_s,
+                store_known=bool(self._store_address),
+            )
+        except Exception as exc:  # a failed warm-up leaves a usable (cold) standby
+            self.log.exception("warm_failed")
+            warmed = c.Warmed(
+                role_types=[],
+                iteration_s={},
+                replayed=0,
+                synthesized=0,
+                local=0,
+                store_known=bool(self._store_address),
+                kept_bytes=0,
+                rss_bytes=0,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+        self.log.info(
+            "warmed",
+            role_types=warmed.role_types,
+            iteration_s=warmed.iteration_s,
+            replayed=warmed.replayed,
+            synthesized=warmed.synthesized,
+        )
+        self._conn.notify(warmed)
 
     def track(
         self,
@@ -149,9 +243,23 @@ class Runtime:
         stateful: dict[str, Stateful] | None = None,
         generators: dict[str, torch.Generator] | None = None,
     ) -> TrainingState:
-        """Registers what a leaver sends its joiner (besides torch's global RNG)."""
+        """Registers what a leaver sends its joiner (besides torch's global RNG), and
+        gates `optimizer.step()` with the commit agreement (a step pre-hook)."""
         self._state = TrainingState(model, optimizer, stateful or {}, generators or {})
+        optimizer.register_step_pre_hook(self._before_optimizer_step)
         return self._state
+
+    @contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Wraps one step's body: a step that a failure aborted (StepAborted, from any
+        collective or the vote) is discarded and rolled back instead of ending the
+        process; `steps()` then waits for `recover` and re-executes it."""
+        try:
+            yield
+        except StepAborted as exc:
+            if not self._committed_in_flight:
+                self._discarded = True
+            self.log.warning("step_aborted", step=self._in_flight, error=str(exc)[:300])
 
     def report(self, loss: float | None = None) -> None:
         """Attaches the current step's loss to its step event."""
@@ -167,19 +275,130 @@ class Runtime:
             self._initial = None
         if self._migration is not None and self._migration.part == "joiner":
             self._join()
+        elif self._recovery is not None and self._recovery.part == "joiner":
+            self._recover(joiner=True)
+        else:
+            self._new_epoch(self.signal.epoch, self._state.step)
         while self._boundary(self._state.step):
+            step = self._state.step + 1
+            light = self._state.light()
+            self._begin_step(step)
             self._step_started = time.perf_counter()
-            yield self._state.step + 1
-            self._state.step += 1
+            yield step
+            if not (self._voted or self._discarded):
+                try:  # a loop without an optimizer step still agrees on the step
+                    self._vote(step)
+                except StepAborted:
+                    self._discarded = True
+            seconds = time.perf_counter() - self._step_started
+            with self._cond:
+                self._in_flight = None
+            if self._discarded:
+                self._state.restore_light(light)  # re-executed later with the same data
+                self._end_recording(None)
+                self._conn.notify(
+                    c.StepAbortedEvent(
+                        epoch=self.signal.epoch,
+                        step=step,
+                        last_committed=self._state.step,
+                        reason=self.signal.reason or "aborted",
+                        t=time.time(),
+                    )
+                )
+                continue
+            self._state.step = step
+            vote_s = self._agreement.last_vote_s if self._agreement else 0.0
             self._conn.notify(
                 c.StepDone(
-                    step=self._state.step,
-                    t_end=time.time(),
-                    seconds=time.perf_counter() - self._step_started,
-                    loss=self._loss,
+                    step=step, t_end=time.time(), seconds=seconds, loss=self._loss, vote_s=vote_s
                 )
             )
             self._loss = None
+            self._end_recording(step)
+            self._maybe_checkpoint(step)
+
+    # -- per step: commit agreement, recording, checkpoints -----------------------------
+
+    def _begin_step(self, step: int) -> None:
+        with self._cond:
+            self._in_flight = step
+            self._voted = self._discarded = self._committed_in_flight = False
+        fault.at_step(step)
+        if self._agreement is not None:
+            self._agreement.begin(step)
+        self._begin_recording(step)
+
+    def _before_optimizer_step(self, *_: object) -> None:
+        if self._in_flight is None or self._voted:
+            return  # outside steps() (e.g. a shadow iteration), or already voted
+        fault.point("after-allreduce")  # test-only: a machine dies before its vote
+        self._vote(self._in_flight)
+
+    def _vote(self, step: int) -> None:
+        self._voted = True
+        if self._agreement is not None:
+            self._agreement.vote(step)  # raises StepAborted: nothing is applied
+        self._committed_in_flight = True
+
+    def _begin_recording(self, step: int) -> None:
+        """One live rank per role type records what it receives during `record_step`."""
+        lay, role = self.config.layout, self.role
+        if step != self.config.runtime.record_step or role is None or lay.pp == 1:
+            return
+        representative = lay.role_of_type(lay.role_type(role.pp), 0)
+        if role == representative:  # replica 0, TP rank 0, first stage of its type
+            self._recorder = Recorder()
+            self.groups["pp"].tap = self._recorder.tap
+
+    def _end_recording(self, committed: int | None) -> None:
+        if self._recorder is None:
+            return
+        recorder, self._recorder = self._recorder, None
+        self.groups["pp"].tap = None
+        if committed is not None and self.role is not None:
+            role_type = self.config.layout.role_type(self.role.pp)
+            size = recorder.save(self.records, role_type)
+            self.log.info("recorded", role_type=role_type, bytes=size, step=committed)
+
+    def _maybe_checkpoint(self, step: int) -> None:
+        every = self.config.runtime.checkpoint_every
+        if every and step % every == 0 and self._state is not None and self.role is not None:
+            checkpoint.write(self.checkpoint_root, self.role, self._state)
+
+    def _new_epoch(self, epoch: str, committed: int) -> None:
+        """Starts vote epoch `epoch` with every rank at step `committed`."""
+        self.signal.reset(epoch)
+        if not self.config.runtime.commit_agreement:
+            return
+        if self._agreement is None:
+            self._agreement = CommitAgreement(
+                self._store_address,
+                self.config.job,
+                self.config.layout.machines * self.config.layout.tp,
+                self.signal,
+                committed,
+                self.config.runtime.failure_timeout_s,
+            )
+        self._agreement.reset(epoch, committed)
+
+    def _on_collective_failure(self, error: CollectiveError) -> None:
+        """First failed collective of an epoch (training thread): report it, and abort
+        the epoch for every rank through the store."""
+        self.log.error(
+            "collective_error", group=error.group, peer=error.peer_machine, error=error.error
+        )
+        self._conn.notify(
+            c.CollectiveErrorEvent(
+                epoch=self.signal.epoch,
+                step=self._in_flight or 0,
+                group=error.group,
+                peer_machine=error.peer_machine,
+                error=error.error,
+                t=time.time(),
+            )
+        )
+        if self._agreement is not None:
+            self._agreement.abort(f"collective error in {error.group}")
 
     def __enter__(self) -> Runtime:
         return self
@@ -193,6 +412,8 @@ class Runtime:
     ) -> None:
         """Shuts every group down (explicitly: a gloo group alive at exit can abort the
         process) and reports the exit."""
+        if self._agreement is not None:
+            self._agreement.close()
         self.groups.shutdown()
         step = self._state.step if self._state else 0
         self.log.info("exit", reason=reason, step=step, error=error or None)
@@ -210,7 +431,13 @@ class Runtime:
         while True:
             with self._cond:
                 mig = self._migration
-                if mig is not None and mig.commit_step == step:
+                if self._recovery is not None:
+                    action = "recover"
+                elif self.signal.is_set() and not self._stop:
+                    # The epoch is aborted: no step may start before a recover plan.
+                    self._cond.wait()
+                    continue
+                elif mig is not None and mig.commit_step == step:
                     action = "switch"
                 elif self._stop or step >= self.config.train.steps:
                     action = "finish"
@@ -227,6 +454,9 @@ class Runtime:
             if action == "train":
                 self._maybe_dump(step)
                 return True
+            if action == "recover":
+                self._recover(joiner=False)
+                continue
             if action == "finish":
                 if self._orphaned:
                     raise SupervisorGone("control connection closed")
@@ -250,7 +480,7 @@ class Runtime:
         built = mig.builder.wait(self._timeout_s)
         if mig.part == "leaver":
             transfer = self._transfer_group(built)
-            stats = self._state.send(transfer, peer=1)
+            stats = self._state.send(transfer, peer=1, extra={"epoch": self.signal.epoch})
             transfer.shutdown()
             closed = [str(g["name"]) for g in self.groups.snapshot().values()]
             self.groups.shutdown()
@@ -300,6 +530,7 @@ class Runtime:
             raise RuntimeError(f"leaver sent step {self._state.step}, commit was {mig.commit_step}")
         role_groups = [g for g in built if g.spec.kind != "transfer"]
         self.groups.install(role_groups)
+        self._new_epoch(str(stats.extra.get("epoch", "e0")), self._state.step)
         self._finish_migration(
             c.Switched(
                 plan_id=mig.plan.plan_id,
@@ -312,6 +543,94 @@ class Runtime:
                 transfer_s=stats.seconds,
             )
         )
+
+    def _recover(self, joiner: bool) -> None:
+        """The unplanned path at a boundary (every rank of the job, and the joiner before
+        its first step): every rank is at its last committed step (the in-flight step was
+        discarded); rebuild the delta and every dirty group; restore the joiner from its
+        state source, or every rank from the last common checkpoint; start a new epoch."""
+        rec = self._recovery
+        assert rec is not None and self._state is not None and self.role is not None
+        plan, t_start = rec.plan, time.time()
+        # The new epoch starts now: the recovery's own collectives must not see the old
+        # epoch's abort (and a late abort of the old epoch can no longer reach them).
+        self.signal.reset(plan.plan_id)
+        store = _store_client(self._store_address, self._timeout_s)
+        prefix = f"{self.config.job}/recover/{plan.plan_id}/"
+        specs = plan.specs_for(self.me)
+        repaired = [] if joiner else self._dirty_groups(plan, store, prefix)
+        specs = sorted([*specs, *repaired], key=lambda s: s.name)
+        built = self._builder(specs, f"recover-{plan.plan_id}").wait(self._timeout_s)
+        build_s = time.time() - t_start
+        transfer_bytes, transfer_s = 0, 0.0
+        if plan.restore == "checkpoint":
+            roles = [
+                r for cell in self.config.layout.cells() for r in self.config.layout.roles_of(cell)
+            ]
+            step = checkpoint.agree_step(
+                store, prefix, self.role, roles, self.checkpoint_root, self._timeout_s
+            )
+            checkpoint.load(self.checkpoint_root, self.role, step, self._state)
+            source: Literal["replica", "checkpoint"] = "checkpoint"
+        else:
+            source = "replica"
+            for pair in (g for g in built if g.spec.kind == "transfer"):
+                stats = (
+                    self._state.receive(pair, peer=0)
+                    if joiner
+                    else self._state.send(pair, peer=1, extra={"epoch": plan.plan_id})
+                )
+                transfer_bytes += stats.bytes
+                transfer_s += stats.seconds
+        for pair in (g for g in built if g.spec.kind == "transfer"):
+            pair.shutdown()
+        for old in self.groups.install([g for g in built if g.spec.kind != "transfer"]):
+            old.shutdown()  # never blocks, even with an abandoned work in it
+        self._new_epoch(plan.plan_id, self._state.step)
+        with self._cond:
+            self._recovery = None
+        event = c.Switched(
+            plan_id=plan.plan_id,
+            step=self._state.step,
+            part=rec.part,
+            rebuilt=sorted(s.name for s in specs if s.kind != "transfer" and not s.repair),
+            repaired=sorted(s.name for s in repaired),
+            t_start=t_start,
+            t_end=time.time(),
+            transfer_bytes=transfer_bytes,
+            transfer_s=transfer_s,
+            source=source,
+            build_s=build_s,
+            digest=self._state.digest(),
+        )
+        self.log.info(
+            "recovered",
+            plan_id=plan.plan_id,
+            part=rec.part,
+            step=event.step,
+            source=source,
+            rebuilt=event.rebuilt,
+            repaired=event.repaired,
+            seconds=round(event.t_end - t_start, 4),
+        )
+        self._conn.notify(event)
+
+    def _dirty_groups(self, plan: Plan, store: dist.TCPStore, prefix: str) -> list[GroupSpec]:
+        """Groups outside the delta that some member left dirty (an abandoned work), as
+        repair specs. Every survivor publishes its own dirty groups, then reads those of
+        its groups' members, so all members of a group decide the same."""
+        mine = sorted(g.name for g in self.groups.values() if g.dirty)
+        store.set(f"{prefix}dirty/{self.me}", json.dumps(mine))
+        delta = {s.name for s in plan.groups}
+        repairs = []
+        for group in self.groups.values():
+            if group.name in delta:
+                continue
+            keys = [f"{prefix}dirty/{m}" for m in group.spec.members]
+            store.wait(keys, timedelta(seconds=self._timeout_s))
+            if any(group.name in json.loads(store.get(k)) for k in keys):
+                repairs.append(group.spec.model_copy(update={"repair": plan.plan_id}))
+        return repairs
 
     def _transfer_group(self, built: list[Group]) -> Group:
         return next(g for g in built if g.spec.kind == "transfer")
@@ -334,10 +653,25 @@ class Runtime:
 
     def _on_request(self, msg: c.Message) -> c.Message:
         if isinstance(msg, c.Prepare):
+            if msg.store:
+                self._store_address = msg.store
             return self._prepare(msg.plan)
         if isinstance(msg, c.Commit):
             return self._commit(msg.plan_id, msg.step)
+        if isinstance(msg, c.Recover):
+            return self._recover_request(msg)
+        if isinstance(msg, c.Abort):
+            if self._agreement is None:  # a standby: nothing in flight
+                return c.AbortAck(aborted=False, epoch=self.signal.epoch)
+            done = self._agreement.abort(msg.reason or "aborted by the supervisor", msg.epoch)
+            return c.AbortAck(aborted=done, epoch=self.signal.epoch)
         with self._cond:
+            if isinstance(msg, c.Warm):
+                if self.role is not None:
+                    raise ValueError("warm: this rank already has a role")
+                self._warm_queue.append(msg)
+                self._cond.notify_all()
+                return c.Ack()
             if isinstance(msg, c.Advance):
                 self._limit = msg.limit
             elif isinstance(msg, c.Stop):
@@ -351,11 +685,54 @@ class Runtime:
                     limit=self._limit,
                     groups=self.groups.snapshot(),
                     plan_id=self._migration.plan.plan_id if self._migration else None,
+                    last_committed=self._state.step if self._state else 0,
+                    epoch=self.signal.epoch,
+                    aborted=self.signal.is_set(),
+                    digest=self._state.digest() if msg.digest and self._state else "",
                 )
             else:
                 raise ValueError(f"unexpected request {msg.TYPE}")
             self._cond.notify_all()
         return c.Ack()
+
+    def _recover_request(self, msg: c.Recover) -> c.RecoverAck:
+        """Records the recover plan for the next boundary and aborts the current epoch
+        (if no rank has yet), which gets this rank out of a step blocked on the dead
+        machine."""
+        plan = msg.plan
+        part: RecoveryPart
+        if self.me.machine in plan.joiners():
+            part = "joiner"
+        elif self.me.machine in plan.sources():
+            part = "source"
+        else:
+            part = "stayer"
+        with self._cond:
+            if self._recovery is not None:
+                if self._recovery.plan.plan_id == plan.plan_id:  # idempotent retry
+                    return c.RecoverAck(part=part, committed=self._committed())
+                raise RuntimeError(f"recovery {self._recovery.plan.plan_id} still in flight")
+            if msg.store:
+                self._store_address = msg.store
+            if part == "joiner":
+                if self.role is not None:
+                    raise ValueError("recover: the joiner already has a role")
+                move = plan.move_of(self.me.machine)
+                assert move is not None
+                self._take_role(move.roles[self.me.local_rank])
+            elif self.role is None:
+                raise ValueError("recover: a standby that is not the plan's joiner")
+            # A planned migration caught by the failure is superseded by this plan.
+            self._migration = None
+            self._recovery = _Recovery(plan, part)
+            self._cond.notify_all()
+        if part != "joiner" and self._agreement is not None:
+            self._agreement.abort(f"recover {plan.plan_id}")
+        self.log.info("recover", plan_id=plan.plan_id, part=part, committed=self._committed())
+        return c.RecoverAck(part=part, committed=self._committed() if part != "joiner" else -1)
+
+    def _committed(self) -> int:
+        return self._state.step if self._state is not None else 0
 
     def _prepare(self, plan: Plan) -> c.PrepareAck:
         """Phase 1: start building my groups of the delta in the background."""
@@ -449,5 +826,5 @@ class Runtime:
         # with anything else running meanwhile.
         store = _store_client(self._store_address, self._timeout_s)
         return GroupBuilder(
-            specs, self.me, store, self.config.job, self.device, self._timeout_s
+            specs, self.me, store, self.config.job, self.device, self._timeout_s, self.signal
         ).start(name)

@@ -10,7 +10,16 @@ started once per session and inspected by several tests:
   remaining ones: last stage of replica 0, first stage of replica 1), whose stayers are
   the earlier joiners.
 
-Both runs dump every role's full state after the steps in `DUMP_STEPS` (each a few steps
+- `failure_run` (issue 5): the same job with four standbys; four machines are SIGKILLed
+  mid-step one after the other (test-only fault hook: forward, backward, during the
+  gradient all-reduce, right after it) and each is recovered from its DP replica.
+- `checkpoint_run` (issue 5): TP2 x PP2 x DP1 with periodic checkpoints; a machine is
+  killed mid-step and every rank falls back to the last common checkpoint.
+
+The standbys of `migrated_run` run shadow iterations before they join, so its
+bit-identical checks also prove that warm-up leaves no trace.
+
+The runs dump every role's full state after the steps in `DUMP_STEPS` (each a few steps
 after a switch), so a broken migration shows at the first dump after it.
 """
 
@@ -23,7 +32,7 @@ import pytest
 
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import LocalJob
+from trainmover.runtime.driver import LocalJob, RecoveryReport
 from trainmover.runtime.plan import Plan, RankRef
 
 
@@ -54,8 +63,20 @@ MIGRATED_STEPS = 40
 WAIT_S = 400.0
 
 CONFIG = JobConfig(job="runtime-test").with_updates(
-    train={"steps": 100, "dump_steps": DUMP_STEPS}, runtime={"group_timeout_s": 60}
+    train={"steps": 100, "dump_steps": DUMP_STEPS},
+    runtime={"group_timeout_s": 60, "failure_timeout_s": 60},
 )
+
+#: (machine, step, point) of each SIGKILL in `failure_run`, in order. Each later victim's
+#: replica is an earlier joiner, so recovery is also exercised from recovered machines.
+FAULTS = [
+    ("m0", 6, "forward"),
+    ("m3", 12, "backward"),
+    ("m1", 18, "dp-allreduce"),
+    ("m2", 24, "after-allreduce"),
+]
+CHECKPOINT_FAULT = ("m1", 11, "backward")
+CHECKPOINT_EVERY = 4
 
 
 @dataclass
@@ -73,6 +94,12 @@ class Run:
     run_dir: Path
     losses: dict[int, float]
     migrations: list[Migration] = field(default_factory=list)
+    warmed: dict[RankRef, c.Warmed] = field(default_factory=dict)
+    recoveries: list[RecoveryReport] = field(default_factory=list)
+    aborted: dict[RankRef, list[c.StepAbortedEvent]] = field(default_factory=dict)
+    collective_errors: list[tuple[RankRef, c.CollectiveErrorEvent]] = field(default_factory=list)
+    history: list[tuple[RankRef, c.StepDone]] = field(default_factory=list)
+    final: dict[RankRef, c.RankStatus] = field(default_factory=dict)
 
     def state_file(self, role_key: str, step: int) -> Path:
         return self.run_dir / "state" / f"{role_key}.step{step}.pt"
@@ -121,8 +148,56 @@ def migrated_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     joiners = sum(len(s.moves) for s in SCENARIOS)
     with LocalJob.launch(config, run_dir, standbys=joiners, limit=SCENARIOS[0].prepare_at) as job:
         run = Run(run_dir, {})
+        # Every standby warms up for every role type (after step 1, whose pipeline
+        # tensors live ranks recorded) before any of them joins.
+        job.wait_step(2)
+        run.warmed = job.warm(timeout_s=WAIT_S)
         for scenario in SCENARIOS:
             run.migrations.append(migrate(job, scenario))
         job.finish()
         run.losses = job.losses()
+        return run
+
+
+def _fault_env(faults: list[tuple[str, int, str]]) -> dict[str, str]:
+    return {"TM_TEST_FAULT": ",".join(f"{m}@{step}:{point}" for m, step, point in faults)}
+
+
+def _recover_all(job: LocalJob, run: Run, count: int) -> None:
+    for _ in range(count):
+        dead, noticed = job.wait_failure(timeout_s=WAIT_S)
+        run.recoveries.append(job.recover(dead, detected_at=noticed, timeout_s=WAIT_S))
+    job.finish(timeout_s=WAIT_S)
+    run.losses = job.losses()
+    run.aborted = dict(job.tracker.aborted)
+    run.collective_errors = list(job.tracker.collective_errors)
+    run.history = list(job.tracker.history)
+
+
+@pytest.fixture(scope="session")
+def failure_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run_dir = tmp_path_factory.mktemp("failures")
+    config = CONFIG.with_updates(train={"steps": MIGRATED_STEPS})
+    with LocalJob.launch(
+        config, run_dir, standbys=len(FAULTS), timeout_s=WAIT_S, extra_env=_fault_env(FAULTS)
+    ) as job:
+        run = Run(run_dir, {})
+        _recover_all(job, run, len(FAULTS))
+        return run
+
+
+@pytest.fixture(scope="session")
+def checkpoint_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run_dir = tmp_path_factory.mktemp("checkpoint")
+    config = CONFIG.with_updates(
+        layout={"tp": 2, "pp": 2, "dp": 1},
+        cluster={"machines": ["m0", "m1"]},
+        train={"steps": 16, "dump_steps": []},
+        runtime={"checkpoint_every": CHECKPOINT_EVERY},
+    )
+    with LocalJob.launch(
+        config, run_dir, standbys=1, timeout_s=WAIT_S, extra_env=_fault_env([CHECKPOINT_FAULT])
+    ) as job:
+        run = Run(run_dir, {})
+        _recover_all(job, run, 1)
         return run

@@ -1,0 +1,185 @@
+"""Getting a rank out of a step that cannot finish: the per-rank abort signal and the
+abortable wait on a collective's work.
+
+A gloo collective blocked on a dead peer cannot be cancelled (`abort()`/`shutdown()` do
+not unblock it), so no wait on a work item is unbounded: `wait_work` waits in short
+slices and, between them, checks the rank's `AbortSignal`. Point-to-point works need
+care: gloo's `wait(timeout)` on a send/recv *closes the pair* when it times out, and
+their `is_completed()` stays False until someone waited; so a p2p work is waited (without
+timeout) by a daemon `Waiter` thread and the training thread waits on its future in
+slices instead. An abandoned p2p wait ends when its group is shut down. The signal is scoped by the
+vote *epoch* it applies to (see `agreement.py`), so a late abort for an old epoch can
+never hit the epoch that a recovery started. An abandoned work is never waited again and
+its buffers are never reused; its group is marked dirty and rebuilt by the recovery.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
+from typing import Any
+
+#: Longest time between two checks of the abort signal while a collective is blocked.
+POLL_S = 0.05
+
+
+class StepAborted(RuntimeError):
+    """The in-flight step is discarded (its epoch was aborted); nothing of it is applied."""
+
+
+class CollectiveError(StepAborted):
+    """A collective failed (a peer's connection closed, or it did not finish in time)."""
+
+    def __init__(self, group: str, peer_machine: str | None, error: str):
+        super().__init__(f"{group}: {error}")
+        self.group, self.peer_machine, self.error = group, peer_machine, error
+
+
+FailureHandler = Callable[[CollectiveError], None]
+
+
+class Waiter:
+    """Daemon threads that block in `work.wait()` for point-to-point works, growing when
+    all are busy (an abandoned wait holds its thread until the group is shut down).
+    Daemon threads, not a ThreadPoolExecutor: its threads are joined at interpreter exit,
+    which an abandoned wait would block."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Any, Future[None]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, work: Any) -> Future[None]:
+        fut: Future[None] = Future()
+        with self._lock:
+            if self._idle == 0:
+                threading.Thread(target=self._run, name="p2p-waiter", daemon=True).start()
+            else:
+                self._idle -= 1
+        self._jobs.put((work, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            work, fut = self._jobs.get()
+            try:
+                work.wait()
+                fut.set_result(None)
+            except BaseException as exc:  # handed to the waiting thread
+                fut.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+
+
+WAITER = Waiter()
+
+
+class AbortSignal:
+    """Whether this rank's current epoch is aborted. Set from any thread (the commit
+    vote watcher, the control reader, a failing collective); read by the training thread
+    between slices of every wait."""
+
+    def __init__(self, epoch: str = "e0", timeout_s: float = 120.0):
+        self._cond = threading.Condition()
+        self._epoch = epoch
+        self._reason: str | None = None
+        #: How long one collective may block before the rank gives up on the step.
+        self.timeout_s = timeout_s
+        #: Called (on the failing thread) for the first collective error of an epoch.
+        self.on_failure: FailureHandler | None = None
+
+    @property
+    def epoch(self) -> str:
+        with self._cond:
+            return self._epoch
+
+    @property
+    def reason(self) -> str | None:
+        with self._cond:
+            return self._reason
+
+    def is_set(self) -> bool:
+        with self._cond:
+            return self._reason is not None
+
+    def set(self, epoch: str, reason: str) -> bool:
+        """Aborts `epoch` if it is the current one; False for a stale (late) signal."""
+        with self._cond:
+            if epoch != self._epoch:
+                return False
+            if self._reason is None:
+                self._reason = reason
+            self._cond.notify_all()
+            return True
+
+    def reset(self, epoch: str) -> None:
+        """A recovery starts `epoch`: clear the abort of the previous one."""
+        with self._cond:
+            self._epoch, self._reason = epoch, None
+            self._cond.notify_all()
+
+    def fail(self, error: CollectiveError) -> None:
+        """A collective of this rank failed: report it (once per epoch) and abort."""
+        first = not self.is_set()
+        if first and self.on_failure is not None:
+            self.on_failure(error)  # aborts the epoch for every rank, via the store
+        self.set(self.epoch, f"collective error: {error}")
+
+    def wait_future(
+        self,
+        fut: Future[None],
+        group: str,
+        peer_machine: str | None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Like `wait_work`, for a p2p work being waited by the `Waiter`."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                fut.result(timeout=POLL_S)
+                return
+            except FutureTimeout:
+                pass
+            except RuntimeError as exc:  # e.g. the peer's connection closed
+                error = CollectiveError(group, peer_machine, str(exc).strip()[:500])
+                self.fail(error)
+                raise error from None
+            if self.is_set():
+                raise StepAborted(f"{group}: step aborted ({self.reason})")
+            if time.monotonic() > deadline:
+                error = CollectiveError(group, peer_machine, f"no progress in {limit:.0f}s")
+                self.fail(error)
+                raise error
+
+    def wait_work(
+        self, work: Any, group: str, peer_machine: str | None, timeout_s: float | None = None
+    ) -> None:
+        """Waits for `work` unless the epoch is aborted (StepAborted) or the work fails or
+        takes longer than the timeout (CollectiveError, after aborting the epoch)."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                work.wait(timedelta(seconds=POLL_S))
+                return
+            except RuntimeError:
+                if work.is_completed():  # finished since, or failed: a plain wait tells
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as exc:  # e.g. the peer's connection closed
+                        error = CollectiveError(group, peer_machine, str(exc).strip()[:500])
+                        self.fail(error)
+                        raise error from None
+            if self.is_set():
+                raise StepAborted(f"{group}: step aborted ({self.reason})")
+            if time.monotonic() > deadline:
+                error = CollectiveError(group, peer_machine, f"no progress in {limit:.0f}s")
+                self.fail(error)
+                raise error

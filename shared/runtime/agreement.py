@@ -1,0 +1,170 @@
+"""The per-step commit agreement: no rank applies an optimizer step another has not.
+
+Before `optimizer.step()` (an optimizer step pre-hook), every rank of the job votes for
+the step through the rendezvous store, which is hosted off the training machines and
+arbitrates with one compare-and-set per step:
+
+    votes  = add("{job}/commit/{epoch}/{step}/votes", 1)
+    if votes == world: compare_set(decision, "", "commit")       # the last voter decides
+    ... a failing rank, or the supervisor:  compare_set(decision, "", "abort")
+
+Whichever write comes first is the decision and every rank reads the same one, so a
+step is applied everywhere or nowhere. A rank blocked in a collective never votes, so a
+step cannot commit while any rank is stuck in it; a rank that sees a collective fail
+writes "abort", and each rank's watcher thread (blocked on the decision key) turns that
+into its abort signal within a store round trip, which frees ranks blocked on live peers
+(gloo gives only a dead peer's direct neighbours a connection error).
+
+Keys are namespaced by *epoch*: the id of the recovery that started it ("e0" at launch),
+so a step re-executed after a recovery votes afresh and a late abort of an old epoch
+cannot touch the new one. An aborted epoch never commits again: aborting writes "abort"
+into the decision of the first undecided step (if the step was already committed, into
+the next one, which this rank will then never vote for).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainmover.runtime.abort import AbortSignal, StepAborted
+
+COMMIT = "commit"
+ABORT = "abort"
+#: Slice of a blocking wait on the store, so the watcher notices a new target or close.
+_WATCH_SLICE = timedelta(seconds=1)
+
+
+def _client(address: str, timeout_s: float) -> dist.TCPStore:
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+class CommitAgreement:
+    """One rank's side of the vote. `vote()` runs on the training thread, `abort()` on any
+    thread, and a watcher thread reads decisions."""
+
+    def __init__(
+        self,
+        store_address: str,
+        job: str,
+        world: int,
+        signal: AbortSignal,
+        committed: int,
+        timeout_s: float,
+    ):
+        self.job, self.world, self.signal = job, world, signal
+        self.timeout_s = timeout_s
+        self.epoch = signal.epoch
+        #: Last step this rank applied (the decision was "commit").
+        self.committed = committed
+        #: Seconds the last vote took (the agreement's per-step cost, skew included).
+        self.last_vote_s = 0.0
+        self._vote = _client(store_address, timeout_s)
+        self._abort = _client(store_address, timeout_s)
+        self._abort_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._target: tuple[str, int] | None = None
+        self._verdicts: dict[tuple[str, int], str] = {}
+        self._closed = False
+        self._watch_store = _client(store_address, timeout_s)
+        threading.Thread(target=self._watch, name="commit-watcher", daemon=True).start()
+
+    def key(self, epoch: str, step: int, what: str) -> str:
+        return f"{self.job}/commit/{epoch}/{step}/{what}"
+
+    # -- training thread ---------------------------------------------------------------
+
+    def begin(self, step: int) -> None:
+        """Step `step` starts: watch its decision (an abort frees blocked collectives)."""
+        with self._cond:
+            self._target = (self.epoch, step)
+            self._cond.notify_all()
+
+    def vote(self, step: int) -> None:
+        """Votes for `step` and returns once it is committed; raises StepAborted when the
+        decision is abort (nothing of the step may then be applied)."""
+        started = time.perf_counter()
+        epoch = self.epoch
+        decision = self.key(epoch, step, "decision")
+        if self._vote.add(self.key(epoch, step, "votes"), 1) == self.world:
+            self._vote.compare_set(decision, "", COMMIT)
+            # Every rank has read step - 1's decision before voting for this one.
+            for what in ("votes", "decision"):
+                self._vote.delete_key(self.key(epoch, step - 1, what))
+        verdict = self._verdict(epoch, step, self.timeout_s)
+        if verdict is None:  # a rank never voted and nobody noticed: give up on the step
+            self.abort(f"commit vote of step {step} not decided in {self.timeout_s:.0f}s")
+            verdict = self._verdict(epoch, step, self.timeout_s) or ABORT
+        self.last_vote_s = time.perf_counter() - started
+        if verdict != COMMIT:
+            raise StepAborted(f"step {step} aborted by the commit agreement")
+        self.committed = step
+
+    def _verdict(self, epoch: str, step: int, timeout_s: float) -> str | None:
+        with self._cond:
+            self._cond.wait_for(lambda: (epoch, step) in self._verdicts, timeout_s)
+            self._verdicts.pop((epoch, step - 2), None)  # bounded: only recent steps
+            return self._verdicts.get((epoch, step))
+
+    def reset(self, epoch: str, committed: int) -> None:
+        """A recovery starts `epoch` with every rank at step `committed`."""
+        with self._cond:
+            self.epoch, self.committed = epoch, committed
+            self._target = None
+            self._verdicts.clear()
+            self._cond.notify_all()
+
+    # -- any thread --------------------------------------------------------------------
+
+    def abort(self, reason: str, epoch: str | None = None) -> bool:
+        """Aborts the epoch for every rank: the first undecided step's decision becomes
+        "abort". False when `epoch` is not the current one (a late signal)."""
+        epoch = epoch or self.epoch
+        if epoch != self.epoch:
+            return False
+        step = self.committed + 1
+        with self._abort_lock:
+            won = self._abort.compare_set(self.key(epoch, step, "decision"), "", ABORT)
+            if won.decode() == COMMIT:  # already committed: the next step can never be
+                self._abort.compare_set(self.key(epoch, step + 1, "decision"), "", ABORT)
+        self.signal.set(epoch, reason)
+        return True
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # -- watcher thread ----------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: (
+                        self._closed
+                        or (self._target is not None and self._target not in self._verdicts)
+                    )
+                )
+                if self._closed:
+                    return
+                target = self._target
+            assert target is not None
+            key = self.key(*target, "decision")
+            started = time.monotonic()
+            try:
+                self._watch_store.wait([key], _WATCH_SLICE)
+                value = self._watch_store.get(key).decode()
+            except RuntimeError:  # not decided within the slice, or the store went away
+                if time.monotonic() - started < _WATCH_SLICE.total_seconds() / 2:
+                    time.sleep(0.1)  # an error, not a slice: do not spin
+                continue
+            with self._cond:
+                self._verdicts[target] = value
+                self._cond.notify_all()
+            if value == ABORT:
+                self.signal.set(target[0], f"step {target[1]} aborted")

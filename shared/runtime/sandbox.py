@@ -1,0 +1,198 @@
+"""The sandbox of shadow iterations: groups whose collectives never leave the machine.
+
+A standby warms up by running real iterations of a role it does not have yet. Every
+collective that would leave the sandbox is answered locally by a `SandboxGroup`:
+
+- a point-to-point receive (pipeline activations and gradients) is *replayed* from a
+  recording that a live rank of the same role type made during an early step, when one
+  exists with the right shape, or else *synthesised* (a seeded standard normal: finite,
+  non-zero, what LayerNorm-ed hidden states look like, so nothing turns into NaN);
+- an all-reduce over data-parallel replicas answers "every replica had my values" (the
+  sum is `size` times the input), which keeps gradients valid after the average;
+- sends complete at once.
+
+Communication inside the sandbox may run for real: the standby machine's own ranks form
+their TP group over a `FileStore` in a machine-local directory, so there is no network
+path to the live job (no rendezvous store, no address of any live rank).
+
+Recordings live in a pluggable `RecordStore` (a directory here; the interface is two
+calls, so an object store such as NATS's fits). Only one rank per role type records (replica 0,
+TP rank 0, the first stage of its type): pipeline tensors are replicated across TP, so
+the other roles would store duplicates.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from trainmover.runtime.groups import Group
+from trainmover.runtime.layout import Layout
+from trainmover.runtime.plan import GroupSpec, RankRef
+
+
+class RecordStore(Protocol):
+    """Where recorded collective outputs live, by key (one per role type)."""
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def size_bytes(self) -> int: ...
+
+
+class DirectoryRecordStore:
+    """Records as files of a directory (shared storage, or copied to the standby)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{key}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(self.root / key)  # atomic: a reader sees all or nothing
+
+    def get(self, key: str) -> bytes | None:
+        path = self.root / key
+        return path.read_bytes() if path.exists() else None
+
+    def size_bytes(self) -> int:
+        if not self.root.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in self.root.iterdir() if not p.name.startswith("."))
+
+
+def record_key(role_type: str) -> str:
+    return f"{role_type}.pp-recv.pt"
+
+
+class Recorder:
+    """Taps a live rank's pipeline group during one step and stores what it received."""
+
+    def __init__(self) -> None:
+        self.received: dict[int, torch.Tensor] = {}
+
+    def tap(self, tag: int, tensor: torch.Tensor) -> None:
+        self.received[tag] = tensor.detach().cpu().clone()
+
+    def save(self, store: RecordStore, role_type: str) -> int:
+        buf = io.BytesIO()
+        torch.save(self.received, buf)
+        store.put(record_key(role_type), buf.getvalue())
+        return buf.getbuffer().nbytes
+
+
+def load_record(store: RecordStore, role_type: str) -> dict[int, torch.Tensor]:
+    data = store.get(record_key(role_type))
+    if data is None:
+        return {}
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class _Done:
+    """A work item that is already complete (a sandboxed send)."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class SandboxStats:
+    def __init__(self) -> None:
+        self.replayed = self.synthesized = self.local = 0
+
+
+class SandboxGroup(Group):
+    """A PP or DP group of the role being warmed, answered locally."""
+
+    def __init__(
+        self,
+        spec: GroupSpec,
+        rank: int,
+        record: dict[int, torch.Tensor],
+        stats: SandboxStats,
+        seed: int,
+    ):
+        super().__init__(spec, rank, backend=None, build_s=0.0)
+        self._record, self._stats = record, stats
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        # As if every replica held our values: the average is then our own gradient.
+        self._stats.synthesized += 1
+        tensor.mul_(self.size)
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Any:
+        return _Done()
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        recorded = self._record.get(tag)
+        if recorded is not None and recorded.shape == tensor.shape:
+            self._stats.replayed += 1
+            tensor.copy_(recorded)
+        else:
+            self._stats.synthesized += 1
+            tensor.copy_(torch.randn(tensor.shape, generator=self._gen))
+
+    def barrier(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+class LocalGroup(Group):
+    """A real group of the standby machine's own ranks (its TP group), counted."""
+
+    def __init__(self, inner: Group, stats: SandboxStats):
+        super().__init__(inner.spec, inner.rank, inner.backend, inner.build_s)
+        self._stats = stats
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        self._stats.local += 1
+        super().allreduce(tensor)
+
+
+def sandbox_specs(machine: str, layout: Layout, round_id: str) -> dict[str, GroupSpec]:
+    """Group specs of a sandbox: the machine's real TP group, and PP/DP groups of the
+    layout's sizes whose other members are placeholders. Names carry the round, so a
+    store file is never reused."""
+    me = [RankRef(machine=machine, local_rank=t) for t in range(layout.tp)]
+
+    def placeholders(size: int) -> list[RankRef]:
+        return [RankRef(machine="sandbox", local_rank=i) for i in range(size)]
+
+    return {
+        "tp": GroupSpec(name=f"sandbox.{round_id}.tp", kind="tp", generation=0, members=me),
+        "pp": GroupSpec(
+            name=f"sandbox.{round_id}.pp", kind="pp", generation=0, members=placeholders(layout.pp)
+        ),
+        "dp": GroupSpec(
+            name=f"sandbox.{round_id}.dp", kind="dp", generation=0, members=placeholders(layout.dp)
+        ),
+    }
+
+
+def local_tp_group(spec: GroupSpec, me: RankRef, store_dir: Path, timeout_s: float) -> Group:
+    """The machine's TP group over a FileStore: the only real communication of the
+    sandbox, and it stays on the machine."""
+    store_dir.mkdir(parents=True, exist_ok=True)
+    store = dist.FileStore(str(store_dir / f"{spec.name}.store"), len(spec.members))
+    rank = spec.group_rank(me)
+    assert rank is not None
+    backend = dist.ProcessGroupGloo(store, rank, len(spec.members), timedelta(seconds=timeout_s))
+    return Group(spec, rank, backend, 0.0)
+
+
+def seed_for(role_type: str, local_rank: int) -> int:
+    return zlib.crc32(f"{role_type}/{local_rank}".encode())
