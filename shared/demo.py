@@ -5,8 +5,7 @@ whole system (embedded nats-server, planner, executor, health-monitor, a sidecar
 machine). While it trains, the demo interrupts it the ways a cluster does:
 
 1. drains a machine through the async client (a planned migration);
-2. SIGKILLs every process of another machine (a failure);
-3. slows a third machine until the straggler detector moves it.
+2. SIGKILLs every process of another machine (a failure).
 
 A drained machine returns to the standby pool once its maintenance is over and it is
 warm again. At the end the demo prints a table of the migrations (event, leaver ->
@@ -106,6 +105,21 @@ async def drain(cluster: LocalCluster, machine: str) -> MigrationRow:
     return await _migration(cluster, "drain", event_id)
 
 
+async def kill(cluster: LocalCluster, machine: str) -> MigrationRow:
+    say(f"SIGKILL of every process of {machine} (a failure)")
+    before = await cluster.client.status(cluster.job)
+    cluster.stack.kill_machine(machine)
+    state = await cluster.wait_state(
+        lambda s: (
+            any(p.moves[0].leaver == machine for p in s.in_flight.values())
+            or s.revision > before.revision + 50
+        ),
+        WAIT_S,
+    )
+    plan = next(p for p in state.in_flight.values() if p.moves[0].leaver == machine)
+    return await _migration(cluster, "failure", plan.event_id)
+
+
 Scenario = Callable[[LocalCluster], Awaitable[MigrationRow]]
 
 
@@ -159,7 +173,8 @@ def table(report: DemoReport) -> str:
 def main(json_path: str | None, steps: int, workdir: str | None) -> int:
     """Runs the demo; exit 0 when every migration is done and the result bit-identical."""
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="trainmover-demo-"))
-    report = asyncio.run(run(steps, root, [lambda c: drain(c, "m1")]))
+    scenarios: list[Scenario] = [lambda c: drain(c, "m1"), lambda c: kill(c, "m2")]
+    report = asyncio.run(run(steps, root, scenarios))
     print()
     print(table(report))
     for line in report.mismatches[:10]:

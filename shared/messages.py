@@ -249,6 +249,7 @@ MigrationState = Literal[
     "preparing",
     "phase1",
     "committing",
+    "recovering",
     "transferring",
     "releasing",
     "done",

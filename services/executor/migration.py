@@ -1,6 +1,7 @@
 """One migration as an explicit state machine of idempotent commands to the sidecars.
 
-    planned:  phase1 -> committing -> transferring -> releasing -> done
+    planned:    phase1 -> committing -> transferring -> releasing -> done
+    unplanned:  recovering -> transferring -> done     (the leaver is gone)
 
 - phase1: `prepare` to the joiner and every stayer of the delta (and the leaver, which
   builds its transfer pair); each replies once its ranks built their new groups while
@@ -10,6 +11,10 @@
 - transferring: `transfer` waits until every affected rank switched at the boundary
   after k (the leaver sent its state one-to-one to the joiner and exited).
 - releasing: the leaver's sidecar takes the machine into maintenance.
+- recovering (a failure, or its checkpoint-restart fallback): `recover` to every
+  surviving machine of the job and to the joiner: each rank aborts its step, the delta
+  groups are built, the joiner gets its state from a data-parallel replica (or every
+  rank reloads the last common checkpoint), and all resume from one committed step.
 
 Every state is stored before its commands go out, and every command id is derived from
 (plan, op, machine), so an executor restarted at any point re-sends the same commands
@@ -40,8 +45,7 @@ from trainmover.messages import (
 
 log = get_logger("executor")
 
-Step = Literal["phase1", "committing", "transferring", "releasing", "done", "failed"]
-ORDER: tuple[Step, ...] = ("phase1", "committing", "transferring", "releasing", "done")
+Step = Literal["phase1", "committing", "recovering", "transferring", "releasing", "done", "failed"]
 
 
 class MigrationRecord(Message):
@@ -71,6 +75,8 @@ def downtime(before_end: float, after_end: float, median_step_s: float) -> float
 
 Publish = Callable[[MigrationProgress], Awaitable[None]]
 Save = Callable[[MigrationRecord], Awaitable[None]]
+Survivors = Callable[[], Awaitable[list[str]]]
+"""The machines of the job that are alive and keep their roles (for a recovery)."""
 
 
 class Migration:
@@ -82,6 +88,7 @@ class Migration:
         record: MigrationRecord,
         save: Save,
         publish: Publish,
+        survivors: Survivors,
         *,
         margin: int = 2,
         timeout_s: float = 120.0,
@@ -91,6 +98,7 @@ class Migration:
         self.record = record
         self._save = save
         self._publish = publish
+        self._survivors = survivors
         self.margin = margin
         self.timeout_s = timeout_s
         self.attempt_s = attempt_s
@@ -112,10 +120,8 @@ class Migration:
 
     async def run(self) -> MigrationRecord:
         """Drives the record to done (or failed); returns the final record."""
-        if self.plan.migration != "planned":
-            return await self._fail(
-                f"{self.plan.migration} migrations are not supported by this executor yet"
-            )
+        if self.plan.migration != "planned" and self.record.step == "phase1":
+            self.record.step = "recovering"
         try:
             while self.record.step not in ("done", "failed"):
                 await self._advance()
@@ -142,13 +148,31 @@ class Migration:
             await self._all("commit", self.affected(), step=self.record.commit_step)
             self._phase("commit", t0)
             await self._enter("transferring")
+        elif step == "recovering":
+            machines = self.record.results.get("machines", {}).get("recovery")
+            if machines is None:
+                joiners = sorted(self.plan.joiners())
+                machines = sorted(set(await self._survivors()) - self.plan.leavers()) + joiners
+                self.record.results["machines"] = {"recovery": machines}
+                await self._save(self.record)  # the same machines, even across a restart
+            source = "the last checkpoint" if not self.plan.transfers else "a replica"
+            await self._progress("recovering", f"every rank resumes; state from {source}")
+            self.record.results["recover"] = await self._all("recover", machines)
+            self._phase("recover", t0)
+            await self._enter("transferring")
         elif step == "transferring":
-            await self._progress("transferring", "state from the leaver to the joiner")
-            results = await self._all("transfer", self.affected())
+            recovery = self.plan.migration != "planned"
+            machines = self.record.results["machines"]["recovery"] if recovery else self.affected()
+            await self._progress("transferring", "state to the joiner")
+            results = await self._all("transfer", machines)
             self.record.results["transfer"] = results
             self._phase("switch", t0)
+            if recovery:  # every rank resumed after the last step all of them committed
+                self.record.commit_step = max(int(r["step"]) for r in results.values())
             await self._measure()
-            await self._enter("releasing")
+            await self._enter("done" if recovery else "releasing")
+            if recovery:
+                await self._progress("done", self._summary(), final=True)
         elif step == "releasing":
             await self._progress("releasing", f"{self.leaver} goes to maintenance")
             await self._all("release", list(self.plan.leavers()))
@@ -160,7 +184,10 @@ class Migration:
         """Downtime from the step timelines of the ranks around the switch step."""
         k = self.record.commit_step
         assert k is not None
-        stayers = sorted(self.plan.stayers())
+        if self.plan.migration == "planned":
+            stayers = sorted(self.plan.stayers())
+        else:
+            stayers = sorted(set(self.record.results["machines"]["recovery"]) - self.plan.joiners())
         after_machines = [*stayers, *sorted(self.plan.joiners())]
         before = await self._all("steps", stayers, plan=False, step=k)
         after = await self._all("steps", after_machines, plan=False, step=k + 1)

@@ -21,10 +21,10 @@ from nats.js.kv import KeyValue
 from trainmover import bus
 from trainmover import metric_names as names
 from trainmover.logs import get_logger
-from trainmover.messages import MessageError, MigrationProgress, Plan, decode
+from trainmover.messages import ClusterState, MessageError, MigrationProgress, Plan, decode
 from trainmover.metrics import Registry
 from trainmover.services.executor.migration import Migration, MigrationRecord
-from trainmover.subjects import JobSubjects
+from trainmover.subjects import STATE_KEY, JobSubjects
 
 log = get_logger("executor")
 
@@ -180,6 +180,7 @@ class ExecutorService:
             record,
             self._save,
             self._publish,
+            self._survivors,
             margin=self.margin,
             timeout_s=self.timeout_s,
         )
@@ -190,6 +191,18 @@ class ExecutorService:
             self._m_downtime.observe(final.phases.get("downtime", 0.0))
             for phase, seconds in final.phases.items():
                 self._m_phase.set(seconds, phase=phase)
+
+    async def _survivors(self) -> list[str]:
+        """The machines that keep their roles: active in the planner's cluster state."""
+        state_kv = await bus.job_bucket(self._js, self.job)
+        entry = await state_kv.get(STATE_KEY)
+        assert entry.value is not None
+        state = decode(ClusterState, entry.value)
+        return sorted(
+            n
+            for n, m in state.machines.items()
+            if m.cell is not None and m.status in ("active", "leaving")
+        )
 
     async def _save(self, record: MigrationRecord) -> None:
         assert self._kv is not None

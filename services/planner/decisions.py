@@ -323,6 +323,7 @@ class Planner:
             for n, m in state.machines.items()
             if m.cell is not None and m.status in ("active", "leaving")
         }
+        replicas = {leaver: src for leaver, src in sources.items() if src != leaver}
         delta = compute_delta(
             job=state.job,
             plan_id=plan_id,
@@ -330,6 +331,8 @@ class Planner:
             assignment=assignment,
             generations=_generations(state),
             moves=moves,
+            sources=replicas or None,
+            restore="checkpoint" if kind == "checkpoint_restart" else "transfer",
         )
         plan = Plan(
             plan_id=plan_id,

@@ -23,7 +23,15 @@ from nats.js.errors import KeyNotFoundError
 from trainmover import bus
 from trainmover.httpserver import HttpServer, serve_observability
 from trainmover.logs import get_logger
-from trainmover.messages import ClusterState, Command, Heartbeat, Plan, StepStats, decode
+from trainmover.messages import (
+    ClusterState,
+    CollectiveErrorReport,
+    Command,
+    Heartbeat,
+    Plan,
+    StepStats,
+    decode,
+)
 from trainmover.metrics import Registry
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
@@ -66,6 +74,7 @@ class Sidecar:
         self._nc = nc
         self._state: ClusterState | None = None
         self._status = "standby"
+        self._warm_types: list[str] = []
         self._seq = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._server: bus.CommandServer | None = None
@@ -105,6 +114,8 @@ class Sidecar:
         self._status = "active" if self._assigned() else "standby"
         self._tasks.append(asyncio.create_task(self._heartbeats()))
         await asyncio.to_thread(self.workers.launch)
+        if self._status == "standby":
+            self._tasks.append(asyncio.create_task(self._warm_quietly()))
         self._http = await serve_observability(
             self.metrics, self._health, self.s.http_host, self.s.http_port
         )
@@ -184,7 +195,7 @@ class Sidecar:
             workers = self.workers.worker_status()
             warm: list[str] = []
             if self._status == "standby" and workers and all(w.state == "standby" for w in workers):
-                warm = role_types(self.s.config.layout)
+                warm = self._warm_types
             beat = Heartbeat(
                 job=self.job,
                 machine=self.machine,
@@ -205,6 +216,33 @@ class Sidecar:
             self._loop.call_soon_threadsafe(self._publish_stats, msg)
         elif isinstance(msg, c.Exited):
             self._loop.call_soon_threadsafe(self._beat_now.set)
+        elif isinstance(msg, c.CollectiveErrorEvent):
+            self._loop.call_soon_threadsafe(self._report_collective_error, msg)
+
+    def _report_collective_error(self, error: c.CollectiveErrorEvent) -> None:
+        """A rank's collective failed: tell the health-monitor whom it blames."""
+        assert self._nc is not None
+        report = CollectiveErrorReport(
+            job=self.job,
+            machine=self.machine,
+            peer=error.peer_machine or self.machine,
+            group=error.group,
+            error=error.error[:4000],
+        )
+        log.warning(
+            "collective_error",
+            job=self.job,
+            machine=self.machine,
+            peer=error.peer_machine,
+            group=error.group,
+            error=error.error[:200],
+        )
+        if error.peer_machine is None:
+            return  # nobody to blame: the heartbeats will tell who died
+        task = asyncio.ensure_future(
+            self._nc.publish(self._subjects.collective_error(self.machine), report.to_json())
+        )
+        task.add_done_callback(lambda t: t.exception())
 
     def _publish_stats(self, done: c.StepDone) -> None:
         assert self._nc is not None
@@ -249,6 +287,8 @@ class Sidecar:
         if op == "steps":
             step = int(command.args["step"])
             return await asyncio.to_thread(w.step_times, step, timeout)
+        if op == "warm":
+            return await self._warm(timeout)
         plan = _plan_arg(command)
         if op == "prepare":
             if any(m.leaver == self.machine for m in plan.moves):
@@ -256,6 +296,8 @@ class Sidecar:
             return await asyncio.to_thread(w.prepare, plan, timeout)
         if op == "commit":
             return await asyncio.to_thread(w.commit, plan, int(command.args["step"]), timeout)
+        if op == "recover":
+            return await asyncio.to_thread(w.recover, plan, timeout)
         if op == "transfer":  # the switch: phase 2, state transfer included
             result = await asyncio.to_thread(w.wait_switched, plan, timeout)
             if "joiner" in result["parts"]:  # type: ignore[operator]
@@ -264,6 +306,24 @@ class Sidecar:
         if op == "release":
             return await self._release(plan, timeout)
         raise ValueError(f"unsupported op {op!r}")
+
+    async def _warm(self, timeout: float) -> dict[str, object]:
+        """Shadow iterations for every role type of the job; the heartbeat then offers the
+        machine to the planner as warm for them."""
+        types = role_types(self.s.config.layout)
+        result = await asyncio.to_thread(self.workers.warm, types, timeout)
+        self._warm_types = list(result["role_types"])  # type: ignore[call-overload]
+        self._beat_now.set()
+        log.info("standby_warm", job=self.job, machine=self.machine, **result)
+        return result
+
+    async def _warm_quietly(self) -> None:
+        """A standby warms up as soon as its workers are up; a failure leaves it cold
+        (the planner never picks it) and is logged with its reason."""
+        try:
+            await self._warm(self.s.command_timeout_s)
+        except Exception as err:
+            log.error("warm_up_failed", job=self.job, machine=self.machine, error=str(err))
 
     async def _release(self, plan: Plan, timeout: float) -> dict[str, object]:
         """After the leaver's switch: its workers exit, maintenance, then back as a standby."""
@@ -280,8 +340,10 @@ class Sidecar:
         await asyncio.to_thread(self.workers.stop)
         await asyncio.to_thread(self.workers.launch)
         self._status = "standby"
+        self._warm_types = []
         self._beat_now.set()
         log.info("back_from_maintenance", job=self.job, machine=self.machine)
+        await self._warm_quietly()
 
 
 def _plan_arg(command: Command) -> Plan:

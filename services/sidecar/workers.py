@@ -21,7 +21,7 @@ from trainmover.runtime.config import JobConfig, save_config
 from trainmover.runtime.launcher import ControlServer, spawn_worker
 from trainmover.runtime.layout import MachineRole, Role
 from trainmover.runtime.plan import Plan, RankRef, group_specs
-from trainmover.runtime.supervisor import RankTracker, stop_processes
+from trainmover.runtime.supervisor import RankCommands, RankTracker, stop_processes
 
 
 class MachineWorkers:
@@ -46,7 +46,11 @@ class MachineWorkers:
         self._state = state
         self.tracker = RankTracker(run_dir)
         self._config_path = save_config(config, run_dir / f"job-{machine}.json")
-        self.control = ControlServer(self._welcome, self.tracker.on_event)
+        self.control = ControlServer(
+            self._welcome, self.tracker.on_event, on_disconnect=self.tracker.on_disconnect
+        )
+        self.commands = RankCommands(self.control, self.tracker, timeout_s)
+        self._recovered: dict[str, list[RankRef]] = {}
         self.cell: MachineRole | None = None
         self._lock = threading.Lock()
         self.tracker.listeners.append(self._on_event)
@@ -147,12 +151,14 @@ class MachineWorkers:
             ]
             with self._lock:
                 self.cell = mine.cell
+        # A standby is not told the rendezvous store: its shadow iterations have no path
+        # to the live job; a joiner learns it from its plan's prepare or recover.
         return c.Welcome(
             job=self.config.job,
             role=role,
             groups=groups,
             limit=self.config.train.steps,
-            store=self.store_address,
+            store=self.store_address if role is not None else "",
         )
 
     def _on_event(self, ref: RankRef, msg: c.Message) -> None:
@@ -178,19 +184,8 @@ class MachineWorkers:
                 f"the first step on {self.machine}",
                 refs,
             )
-        acks = {r: self.control.request(r, c.Prepare(plan=plan), timeout_s) for r in refs}
-
-        def all_ready() -> bool:
-            failed = self.tracker.failed.get(plan.plan_id)
-            if failed:
-                raise RuntimeError(
-                    f"plan {plan.plan_id} failed on {self.machine}: "
-                    + "; ".join(f.error for f in failed.values())
-                )
-            return all(r in self.tracker.ready[plan.plan_id] for r in refs)
-
-        self.tracker.wait(all_ready, timeout_s, f"ready of {plan.plan_id}", refs)
-        ready = self.tracker.ready[plan.plan_id]
+        acks = self.commands.prepare(refs, plan, store=self.store_address)
+        ready = self.commands.wait_ready(refs, plan, timeout_s)
         return {
             "ranks": len(refs),
             "build_s": max((ready[r].build_s for r in refs), default=0.0),
@@ -203,36 +198,51 @@ class MachineWorkers:
 
     def commit(self, plan: Plan, step: int, timeout_s: float) -> dict[str, object]:
         """Phase 2: this machine's ranks switch at the boundary after `step`."""
-        acks = {
-            r: self.control.request(r, c.Commit(plan_id=plan.plan_id, step=step), timeout_s)
-            for r in self.affected(plan)
-        }
-        refused = {
-            str(r): a.reason
-            for r, a in acks.items()
-            if isinstance(a, c.CommitAck) and not a.accepted
-        }
-        if refused:
-            raise RuntimeError(f"commit({step}) refused on {self.machine}: {refused}")
+        acks = self.commands.commit(self.affected(plan), plan, step)
         return {"accepted": len(acks)}
 
-    def wait_switched(self, plan: Plan, timeout_s: float) -> dict[str, object]:
-        """Until this machine's ranks switched (and a leaver's workers exited)."""
-        refs = self.affected(plan)
-        self.tracker.wait(
-            lambda: all(r in self.tracker.switched[plan.plan_id] for r in refs),
-            timeout_s,
-            f"switch of {plan.plan_id}",
-            refs,
-        )
-        switched = self.tracker.switched[plan.plan_id]
+    def recover(self, plan: Plan, timeout_s: float) -> dict[str, object]:
+        """The unplanned path: every live rank here (a survivor, or the joiner) aborts its
+        step and recovers in the plan's epoch; returns once they sent `recover_ack`."""
+        self.wait_connected(timeout_s)
+        refs = self.tracker.live()
+        self._recovered[plan.plan_id] = refs
+        acks = self.commands.recover(refs, plan, store=self.store_address)
         return {
-            "parts": sorted({switched[r].part for r in refs}),
-            "rebuilt": sorted({g for r in refs for g in switched[r].rebuilt}),
-            "t_start": min(switched[r].t_start for r in refs),
-            "t_end": max(switched[r].t_end for r in refs),
-            "transfer_bytes": sum(switched[r].transfer_bytes for r in refs),
-            "transfer_s": max(switched[r].transfer_s for r in refs),
+            "ranks": len(refs),
+            "committed": max((a.committed for a in acks.values()), default=0),
+        }
+
+    def warm(self, role_types: list[str], timeout_s: float) -> dict[str, object]:
+        """Shadow iterations for each role type on this standby's ranks."""
+        self.wait_connected(timeout_s)
+        warmed = self.commands.warm(self.refs, role_types, timeout_s=timeout_s)
+        first = next(iter(warmed.values()))
+        return {
+            "role_types": first.role_types,
+            "iteration_s": first.iteration_s,
+            "replayed": sum(w.replayed for w in warmed.values()),
+            "synthesized": sum(w.synthesized for w in warmed.values()),
+            "kept_bytes": sum(w.kept_bytes for w in warmed.values()),
+            "rss_bytes": sum(w.rss_bytes for w in warmed.values()),
+            "store_known": any(w.store_known for w in warmed.values()),
+        }
+
+    def wait_switched(self, plan: Plan, timeout_s: float) -> dict[str, object]:
+        """Until this machine's ranks of the plan switched (planned: the ranks in the
+        plan; a recovery: every rank it was sent to)."""
+        refs = self._recovered.get(plan.plan_id) or self.affected(plan)
+        switched = self.commands.wait_switched(refs, plan, timeout_s)
+        return {
+            "parts": sorted({e.part for e in switched.values()}),
+            "rebuilt": sorted({g for e in switched.values() for g in e.rebuilt}),
+            "repaired": sorted({g for e in switched.values() for g in e.repaired}),
+            "step": max((e.step for e in switched.values()), default=0),
+            "t_start": min((e.t_start for e in switched.values()), default=0.0),
+            "t_end": max((e.t_end for e in switched.values()), default=0.0),
+            "transfer_bytes": sum(e.transfer_bytes for e in switched.values()),
+            "transfer_s": max((e.transfer_s for e in switched.values()), default=0.0),
+            "source": sorted({e.source for e in switched.values()}),
         }
 
     def wait_exited(self, timeout_s: float) -> None:

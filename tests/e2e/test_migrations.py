@@ -89,3 +89,29 @@ async def test_services_restarted_mid_migration_complete_it(cluster: Cluster, re
     after = await cluster.client.status(cluster.job)
     assert after.machines["s0"].status == "active"
     assert cluster.mismatches(reference, STEPS) == []
+
+
+async def test_sigkill_of_a_machine_is_recovered_from_its_replica(
+    cluster: Cluster, reference
+) -> None:
+    await cluster.wait_step("m2", 10, WAIT_S)
+    cluster.stack.kill_machine("m2")  # sidecar and workers, at once
+    # The health-monitor notices (heartbeats stop, stayers' collectives fail), the planner
+    # picks a warm standby and m2's data-parallel replica m0 as the state source.
+    state = await cluster.wait_state(
+        lambda s: bool(s.in_flight) or s.machines["m2"].status == "failed", WAIT_S
+    )
+    (plan,) = [p for p in state.in_flight.values()] or [None]
+    assert plan is not None and plan.migration == "unplanned", state
+    assert plan.state_sources == {"m2": "m0"}
+    done = await cluster.client.wait_for_migration(cluster.job, plan.event_id, timeout=WAIT_S)
+    assert done.state == "done", done.detail
+    assert done.leaver == "m2" and done.joiner in ("s0", "s1")
+    assert done.downtime_s is not None
+    after = await cluster.wait_state(lambda s: not s.in_flight, WAIT_S)
+    assert after.machines["m2"].status == "failed"
+    assert after.machines[done.joiner].status == "active"
+
+    # Training went on to its end; the failure changed nothing in the result.
+    await cluster.wait_finished(WAIT_S)
+    assert cluster.mismatches(reference, STEPS) == []
