@@ -61,8 +61,10 @@ def job_config(tmp_path: Path, local_cluster: LocalCluster) -> Path:
         "health_monitor": {
             "rules": str(DEPLOY / "health-monitor-rules.yaml"),
             # Machines start slowly on a loaded host (each imports torch), and in the
-            # tests without `machines` nothing heartbeats: keep them from lapsing.
+            # tests without `machines` nothing heartbeats: keep them from lapsing; a busy
+            # 2-core host can also delay a heartbeat by over a second.
             "startup_grace": 3600,
+            "heartbeat_timeout_intervals": 10,
         },
     }
     path.write_text(yaml.safe_dump(config))
