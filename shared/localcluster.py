@@ -26,10 +26,11 @@ from trainmover.runtime.config import JobConfig, save_config
 from trainmover.stack import Stack
 from trainmover.subjects import STATE_KEY, JobSubjects
 
-#: Fast signals for a local cluster: heartbeats every 0.2 s, a machine is dead after 2 s.
+#: Fast signals for a local cluster: heartbeats every 0.2 s, a machine is dead after 3 s
+#: of silence (a stayer's failed collective names a dead peer sooner).
 FAST_SIGNALS: dict[str, list[str]] = {
     "sidecar": ["--heartbeat-interval", "0.2"],
-    "health-monitor": ["--heartbeat-interval", "0.2", "--heartbeat-timeout-intervals", "10"],
+    "health-monitor": ["--heartbeat-interval", "0.2", "--heartbeat-timeout-intervals", "15"],
 }
 
 
