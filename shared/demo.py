@@ -5,7 +5,8 @@ whole system (embedded nats-server, planner, executor, health-monitor, a sidecar
 machine). While it trains, the demo interrupts it the ways a cluster does:
 
 1. drains a machine through the async client (a planned migration);
-2. SIGKILLs every process of another machine (a failure).
+2. SIGKILLs every process of another machine (a failure);
+3. slows a third machine until the straggler detector moves it.
 
 A drained machine returns to the standby pool once its maintenance is over and it is
 warm again. At the end the demo prints a table of the migrations (event, leaver ->
@@ -25,8 +26,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trainmover import bus
 from trainmover.localcluster import LocalCluster
-from trainmover.messages import MigrationProgress
+from trainmover.messages import Command, MigrationProgress, StragglerEvent
 from trainmover.runtime.compare import state_files
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.driver import LocalJob
@@ -120,6 +122,22 @@ async def kill(cluster: LocalCluster, machine: str) -> MigrationRow:
     return await _migration(cluster, "failure", plan.event_id)
 
 
+async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -> MigrationRow:
+    say(f"slowing {machine} by {extra_s} s of compute per step (a straggler)")
+    async with cluster.client.watch(cluster.job) as items:
+        reply = await bus.request(
+            cluster.nc,
+            Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": extra_s}),
+        )
+        if not reply.ok:
+            raise RuntimeError(f"could not slow {machine}: {reply.error}")
+        async for item in items:
+            if isinstance(item, StragglerEvent) and item.machine == machine:
+                say(f"  the straggler detector flagged {machine}: {item.evidence}")
+                return await _migration(cluster, "straggler", item.event_id)
+    raise RuntimeError("the event stream ended")
+
+
 Scenario = Callable[[LocalCluster], Awaitable[MigrationRow]]
 
 
@@ -173,7 +191,11 @@ def table(report: DemoReport) -> str:
 def main(json_path: str | None, steps: int, workdir: str | None) -> int:
     """Runs the demo; exit 0 when every migration is done and the result bit-identical."""
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="trainmover-demo-"))
-    scenarios: list[Scenario] = [lambda c: drain(c, "m1"), lambda c: kill(c, "m2")]
+    scenarios: list[Scenario] = [
+        lambda c: drain(c, "m1"),
+        lambda c: kill(c, "m2"),
+        lambda c: slow_down(c, "m3"),
+    ]
     report = asyncio.run(run(steps, root, scenarios))
     print()
     print(table(report))

@@ -219,6 +219,7 @@ CommandOp = Literal[
     "shutdown",
     "status",
     "steps",
+    "slow",
 ]
 
 

@@ -247,9 +247,10 @@ class Sidecar:
     def _publish_stats(self, done: c.StepDone) -> None:
         assert self._nc is not None
         self._m_steps.set(done.step)
-        stats = StepStats(
-            job=self.job, machine=self.machine, step=done.step, compute_s=done.seconds
-        )
+        # Compute time without the waits in collectives: a machine waiting on a slow
+        # peer must not look slow itself.
+        compute = done.compute_s if done.compute_s is not None else done.seconds
+        stats = StepStats(job=self.job, machine=self.machine, step=done.step, compute_s=compute)
         task = asyncio.ensure_future(
             self._nc.publish(self._subjects.stats(self.machine), stats.to_json())
         )
@@ -289,6 +290,9 @@ class Sidecar:
             return await asyncio.to_thread(w.step_times, step, timeout)
         if op == "warm":
             return await self._warm(timeout)
+        if op == "slow":  # fault injection: this machine becomes a straggler
+            extra_s = float(command.args.get("extra_s", 0.0))
+            return await asyncio.to_thread(w.slow, extra_s)
         plan = _plan_arg(command)
         if op == "prepare":
             if any(m.leaver == self.machine for m in plan.moves):

@@ -245,6 +245,13 @@ class MachineWorkers:
             "source": sorted({e.source for e in switched.values()}),
         }
 
+    def slow(self, extra_s: float) -> dict[str, object]:
+        """Fault injection: adds `extra_s` of compute to every step of this machine."""
+        refs = self.tracker.live()
+        for ref in refs:
+            self.control.request(ref, c.Slow(extra_s=extra_s), self.timeout_s)
+        return {"ranks": len(refs), "extra_s": extra_s}
+
     def wait_exited(self, timeout_s: float) -> None:
         """Until every worker process of this machine is gone (a leaver after its switch:
         interpreter teardown with torch takes seconds, off the critical path)."""

@@ -110,6 +110,14 @@ class Stop(Message):
     TYPE: ClassVar[str] = "stop"
 
 
+class Slow(Message):
+    """Fault injection: add `extra_s` of compute to every step from now on (0 undoes it),
+    as a throttled or sick machine would; the straggler detector is tested with it."""
+
+    TYPE: ClassVar[str] = "slow"
+    extra_s: float = Field(ge=0.0, le=60.0)
+
+
 class PrepareAck(Message):
     TYPE: ClassVar[str] = "prepare_ack"
     step: int
@@ -198,6 +206,9 @@ class StepDone(Message):
     #: Time spent in the commit vote (the agreement's cost; includes waiting for the
     #: slowest rank).
     vote_s: float = 0.0
+    #: The step's own compute: its duration less the time spent waiting in collectives
+    #: and in the vote (a machine waiting for a slow peer does not look slow itself).
+    compute_s: float | None = None
 
 
 class Ready(Message):
@@ -302,6 +313,7 @@ MESSAGES: dict[str, type[Message]] = {
         Advance,
         Status,
         Stop,
+        Slow,
         Warm,
         Recover,
         Abort,

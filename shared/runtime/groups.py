@@ -67,6 +67,17 @@ class PendingWork:
         self.group._wait(self)
 
 
+class CommClock:
+    """Seconds this process spent waiting on collectives and point-to-point works, so a
+    step's compute time can be told apart from its waiting (the straggler signal)."""
+
+    def __init__(self) -> None:
+        self.waited_s = 0.0
+
+
+COMM_CLOCK = CommClock()
+
+
 class Group:
     """One built incarnation of a group, with the collectives the runtime uses.
 
@@ -137,6 +148,7 @@ class Group:
 
     def _wait(self, pending: PendingWork) -> None:
         peer = self.peer_machine(pending.peer)
+        started = time.perf_counter()
         try:
             if pending.future is not None:
                 self.signal.wait_future(pending.future, self.name, peer)
@@ -145,6 +157,8 @@ class Group:
         except CollectiveError:
             pending.failed = self._failed = True
             raise
+        finally:
+            COMM_CLOCK.waited_s += time.perf_counter() - started
         self._inflight.remove(pending)
 
     def allreduce(self, tensor: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ from trainmover.runtime import control as c
 from trainmover.runtime.abort import AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.config import JobConfig, load_config
-from trainmover.runtime.groups import Group, GroupBuilder, GroupTable, pick_device
+from trainmover.runtime.groups import COMM_CLOCK, Group, GroupBuilder, GroupTable, pick_device
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan, RankRef
 from trainmover.runtime.sandbox import DirectoryRecordStore, Recorder
@@ -120,6 +120,7 @@ class Runtime:
         self._exit_reason: Literal["finished", "left", "error"] = "finished"
         self._loss: float | None = None
         self._step_started = 0.0
+        self._extra_s = 0.0  # fault injection only (control `slow`)
         self._timeout_s = config.runtime.group_timeout_s
         # Unplanned failures: the abort signal every wait checks, the commit vote, the
         # recover plan in flight, and the step in flight (None between steps).
@@ -284,7 +285,10 @@ class Runtime:
             light = self._state.light()
             self._begin_step(step)
             self._step_started = time.perf_counter()
+            waited_before = COMM_CLOCK.waited_s
             yield step
+            if self._extra_s:
+                time.sleep(self._extra_s)  # fault injection (control `slow`): extra compute
             if not (self._voted or self._discarded):
                 try:  # a loop without an optimizer step still agrees on the step
                     self._vote(step)
@@ -308,9 +312,15 @@ class Runtime:
                 continue
             self._state.step = step
             vote_s = self._agreement.last_vote_s if self._agreement else 0.0
+            waited = COMM_CLOCK.waited_s - waited_before
             self._conn.notify(
                 c.StepDone(
-                    step=step, t_end=time.time(), seconds=seconds, loss=self._loss, vote_s=vote_s
+                    step=step,
+                    t_end=time.time(),
+                    seconds=seconds,
+                    loss=self._loss,
+                    vote_s=vote_s,
+                    compute_s=max(0.0, seconds - waited - vote_s),
                 )
             )
             self._loss = None
@@ -676,6 +686,8 @@ class Runtime:
                 self._limit = msg.limit
             elif isinstance(msg, c.Stop):
                 self._stop = True
+            elif isinstance(msg, c.Slow):
+                self._extra_s = msg.extra_s
             elif isinstance(msg, c.Status):
                 return c.RankStatus(
                     machine=self.me.machine,

@@ -39,6 +39,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[LocalCluster]:
-    async with LocalCluster(CONFIG, tmp_path) as running:
+def config() -> JobConfig:
+    """The job the `cluster` runs; a test overrides it with `parametrize("config", ...)`."""
+    return CONFIG
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, config: JobConfig) -> AsyncIterator[LocalCluster]:
+    async with LocalCluster(config, tmp_path) as running:
         yield running

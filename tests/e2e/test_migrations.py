@@ -10,10 +10,11 @@ import asyncio
 
 import pytest
 
-from tests.e2e.conftest import STEPS, WAIT_S
+from tests.e2e.conftest import CONFIG, STEPS, WAIT_S
+from trainmover import bus
 from trainmover.client import MachineLeaving, UnknownMachine
 from trainmover.localcluster import LocalCluster as Cluster
-from trainmover.messages import DrainEvent, MigrationProgress
+from trainmover.messages import Command, DrainEvent, MigrationProgress, StragglerEvent
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -115,3 +116,49 @@ async def test_sigkill_of_a_machine_is_recovered_from_its_replica(
     # Training went on to its end; the failure changed nothing in the result.
     await cluster.wait_finished(WAIT_S)
     assert cluster.mismatches(reference, STEPS) == []
+
+
+# Drained machines stay in maintenance: the pool only shrinks during this test.
+@pytest.mark.parametrize("config", [CONFIG.with_updates(cluster={"maintenance_s": 3600})])
+async def test_a_straggler_is_moved_and_a_failure_without_standby_falls_back(
+    cluster: Cluster,
+) -> None:
+    await cluster.wait_step("m3", 20, WAIT_S)
+    async with cluster.client.watch(cluster.job) as items:
+        reply = await bus.request(
+            cluster.nc,
+            Command(job=cluster.job, machine="m3", op="slow", args={"extra_s": 0.4}),
+        )
+        assert reply.ok, reply.error
+        straggler = await asyncio.wait_for(_next_straggler(items), WAIT_S)
+    # Only m3 is slow: the others wait for it in collectives, which is not compute.
+    assert straggler.machine == "m3"
+    assert straggler.evidence.machine_median_s > 1.5 * straggler.evidence.job_median_s
+    done = await cluster.client.wait_for_migration(cluster.job, straggler.event_id, WAIT_S)
+    assert done.state == "done" and done.leaver == "m3", done.detail
+
+    # Both standbys taken: a failure now has no warm standby and says it falls back.
+    second = await cluster.client.drain(cluster.job, "m0", reason="use the last standby")
+    assert (await cluster.client.wait_for_migration(cluster.job, second, WAIT_S)).state == "done"
+    failure = await cluster.client.report_failure(cluster.job, "m1", reason="test")
+    async with cluster.client.watch(cluster.job, from_start=True) as items:
+        fallback = await asyncio.wait_for(_next_progress(items, failure, "fallback"), WAIT_S)
+    assert "checkpoint restart" in fallback.detail and "no warm standby" in fallback.detail
+
+
+async def _next_straggler(items) -> StragglerEvent:
+    async for item in items:
+        if isinstance(item, StragglerEvent):
+            return item
+    raise AssertionError("watch ended")
+
+
+async def _next_progress(items, event_id: str, state: str) -> MigrationProgress:
+    async for item in items:
+        if (
+            isinstance(item, MigrationProgress)
+            and item.event_id == event_id
+            and item.state == state
+        ):
+            return item
+    raise AssertionError("watch ended")
