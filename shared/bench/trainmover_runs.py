@@ -42,7 +42,8 @@ class TrainMoverJob:
     def close(self) -> None:
         self.sampler.__exit__()
         try:
-            self.job.stop_at(self.job.limit, timeout_s=120)
+            # Ahead of every rank (the limit may be far away after a free run).
+            self.job.stop_at(self.job.current_step() + 2, timeout_s=120)
         finally:
             self.job.close()
 
