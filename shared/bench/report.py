@@ -98,18 +98,16 @@ class Result:
         return path
 
 
-def attempt(fn: Callable[[], T], progress: Progress, what: str) -> T | str:
+def attempt(fn: Callable[[], T]) -> T | str:
     """Runs one measurement; a NotMeasurable (or a failure of a peer system) becomes its
-    reason string instead of ending the whole benchmark."""
+    reason string instead of ending the whole benchmark (the progress line shows it)."""
     try:
         return fn()
     except NotMeasurable as exc:
-        progress.note(f"{what}: {exc}")
         return str(exc)
     except Exception as exc:  # a peer system failing is a result, not a crash
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
-        progress.note(f"{what} failed: {reason}")
-        return f"failed: {reason}"
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        return f"failed: {type(exc).__name__}: {last}"
 
 
 class Progress:
