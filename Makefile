@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps "torchft-nightly==2026.10.26"
+	$(PY) -m pip install -q -e ".[dev,bench]"
 	touch $(STAMP)
 
 test: install
@@ -23,6 +24,8 @@ test: install
 demo: install
 	$(VENV)/bin/trainmover demo --json demo.json
 
+# All three benchmarks at their defaults (tens of minutes on 2 shared cores); each one
+# alone: trainmover bench downtime|rebalance|scale --json FILE (docs/benchmarks.md).
 bench: install
 	$(VENV)/bin/trainmover bench
 

@@ -1,4 +1,4 @@
-"""The `trainmover` command line: drain, fail, status, watch, up, service, version.
+"""The `trainmover` command line: drain, fail, status, watch, up, service, bench, version.
 
 Every failure is one line on stderr and a non-zero exit (2 for bad input, 1 for a bus or
 job error), never a traceback.
@@ -240,6 +240,9 @@ def _parser() -> argparse.ArgumentParser:
     dm.add_argument("--steps", type=int, default=400, help="training steps of the job")
     dm.add_argument("--workdir", help="where runs and logs go (default: temporary)")
 
+    b = sub.add_parser("bench", help="benchmarks: downtime, rebalance, scale (docs/benchmarks.md)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="benchmark and its options")
+
     sub.add_parser("version", help="print the version")
     return p
 
@@ -261,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "version":
             print(f"trainmover {__version__}")
             return 0
+        if args.command == "bench":
+            from trainmover.bench.cli import main as bench_main  # matplotlib etc. on demand
+
+            return bench_main(args.args)
         if args.command == "auth":
             from trainmover.security import authcli
 

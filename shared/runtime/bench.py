@@ -257,3 +257,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+#: Public names for trainmover.bench (the side-by-side benchmarks of issue 7).
+step_end = _step_end
+normal_step = _normal_step

@@ -1,0 +1,150 @@
+"""The checkpoint-restart baseline's training script: the reference job's role, run by
+``torchrun`` (torch.distributed.elastic) the way users run jobs today.
+
+    torchrun --nnodes N --nproc-per-node TP --max-restarts R ... \\
+        -m trainmover.bench.ckpt_train --config job.json --run-dir DIR --every N
+
+Each worker takes its role from RANK (machines are TP-sized blocks of ranks, numbered as
+the reference job numbers them), builds its TP/PP/DP groups with the runtime's group
+builder from torchrun's store, resumes from the newest complete checkpoint, checkpoints
+every `--every` steps, and stops (after a checkpoint: save-and-restart) at the step
+written in DIR/stop_at. Events (start, loaded, step, saved) go to DIR/events/.
+
+Restarted workers must never read the dead workers' addresses from a store
+(pytorch/pytorch#135712: "Gloo connectFullMesh ... Connection refused"). The harness sets
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so rank 0 hosts a fresh store for every round. A
+key prefix from TORCHELASTIC_RESTART_COUNT would not do with several agents: only the agent
+whose worker died counts the restart, so the others would wait under another prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainmover.bench.role import EventWriter, build_role
+from trainmover.runtime.config import load_config
+from trainmover.runtime.groups import GroupTable, build_group
+from trainmover.runtime.layout import Role
+from trainmover.runtime.plan import RankRef, group_specs
+from trainmover.runtime.state import TrainingState, load_saved
+from trainmover.runtime.train_step import train_step
+
+
+def latest_complete(ckpt_dir: Path, world: int) -> int:
+    """The newest step for which every rank's checkpoint file exists (0: none)."""
+    steps = [
+        int(d.name.removeprefix("step"))
+        for d in ckpt_dir.glob("step*")
+        if len(list(d.glob("*.pt"))) == world
+    ]
+    return max(steps, default=0)
+
+
+def stop_step(run_dir: Path) -> int | None:
+    try:
+        return int((run_dir / "stop_at").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _store(timeout_s: float) -> dist.Store:
+    """torchrun's store: the agent's shared rendezvous store (a client), or, with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, one hosted by rank 0."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=not shared and os.environ["RANK"] == "0",
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--every", type=int, required=True, help="checkpoint every N steps")
+    parser.add_argument("--launch", default="0", help="distinguishes relaunches in the store")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config)
+    torch.set_num_threads(cfg.runtime.threads)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    layout = cfg.layout
+    machine, tp = divmod(rank, layout.tp)
+    cells = layout.cells()
+    cell = cells[machine]
+    role = Role(dp=cell.dp, pp=cell.pp, tp=tp)
+    events = EventWriter(
+        args.run_dir / "events" / f"l{args.launch}-r{restart}-rank{rank}.jsonl",
+        rank=rank,
+        role=role.key,
+        restart=restart,
+        launch=args.launch,
+    )
+    events.write("start")
+
+    timeout = cfg.runtime.group_timeout_s
+    store = _store(timeout)
+    me = RankRef(machine=f"m{machine}", local_rank=tp)
+    assignment = {f"m{i}": c for i, c in enumerate(cells)}
+    specs = [
+        s
+        for s in group_specs(layout, assignment, dict.fromkeys(layout.all_groups(), 0))
+        if s.group_rank(me) is not None
+    ]
+    groups = GroupTable()
+    namespace = f"{cfg.job}/launch{args.launch}"
+    device = torch.device("cpu")
+    groups.install([build_group(s, me, store, namespace, device, timeout) for s in specs])
+    r = build_role(cfg, role, lambda: groups["tp"], device)
+
+    ckpt_dir = args.run_dir / "ckpt"
+    resume = latest_complete(ckpt_dir, world)
+    if resume:
+        saved = load_saved(ckpt_dir / f"step{resume}" / f"{role.key}.pt")
+        r.state.restore(saved["header"], saved["tensors"])
+    events.write("loaded", step=r.state.step)
+
+    try:
+        while True:
+            stop = stop_step(args.run_dir)
+            if stop is not None and r.state.step >= stop:
+                save(r.state, ckpt_dir, role, events)
+                break
+            loss = train_step(
+                r.model,
+                r.optimizer,
+                r.data.next_batch(),
+                groups,
+                cfg.train.micro_batches,
+                cfg.model.d_model,
+            )
+            r.state.step += 1
+            events.write("step", step=r.state.step, loss=loss)
+            if r.state.step % args.every == 0:
+                save(r.state, ckpt_dir, role, events)
+    finally:
+        groups.shutdown()  # a gloo group alive at exit can abort the process
+    events.close()
+    return 0
+
+
+def save(state: TrainingState, ckpt_dir: Path, role: Role, events: EventWriter) -> None:
+    """This rank's checkpoint of the current step (atomic: written, then renamed)."""
+    folder = ckpt_dir / f"step{state.step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    state.save(folder / f"{role.key}.pt")
+    events.write("saved", step=state.step)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

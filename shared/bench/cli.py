@@ -1,0 +1,48 @@
+"""``trainmover bench [downtime|rebalance|scale|all] [options]``: the benchmark commands.
+
+Without a sub-command (``make bench``), runs all three at their default settings and
+writes bench-out/{downtime,rebalance,scale}.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from trainmover.bench import downtime, rebalance, scale
+
+#: sub-command -> (add its options, run it)
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
+                          Callable[[argparse.Namespace], int]]] = {
+    "downtime": (downtime.add_arguments, downtime.main),
+    "rebalance": (rebalance.add_arguments, rebalance.main),
+    "scale": (scale.add_arguments, scale.main),
+}  # fmt: skip
+HELP = {
+    "downtime": "planned and failure downtime: TrainMover, ablations, torchrun, torchft",
+    "rebalance": "training-time ratio with a migration every P seconds",
+    "scale": "delta vs full group setup, measured 4-16 ranks and projected to 65,536",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trainmover bench", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
+    for name, (add, _) in COMMANDS.items():
+        add(sub.add_parser(name, help=HELP[name]))
+    every = sub.add_parser("all", help="all three at their defaults")
+    every.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.bench in COMMANDS:
+        return COMMANDS[args.bench][1](args)
+    out = getattr(args, "out", Path("bench-out"))
+    for name in COMMANDS:
+        code = main([name, "--json", str(out / f"{name}.json")])
+        if code:
+            return code
+    return 0

@@ -1,0 +1,290 @@
+"""``trainmover bench downtime``: downtime of a planned migration and of an unplanned
+failure, TrainMover vs its ablations vs checkpoint-restart (torchrun) vs torchft, on the
+same job, repetitions alternating between systems in one invocation.
+
+Only one system trains at a time (the others are held or not running), so they do not
+steal each other's CPU on these shared cores. Output: --json FILE, FILE.md, FILE.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from trainmover.bench import ckpt_restart, plot, torchft_peer
+from trainmover.bench.report import (
+    Progress,
+    Result,
+    attempt,
+    fmt_stats,
+    markdown_table,
+    outputs,
+    ratio,
+)
+from trainmover.bench.settings import add_job_arguments, config_from_args
+from trainmover.bench.trainmover_runs import VARIANTS, TrainMoverJob
+
+#: JSON key of each TrainMover variant's planned downtime.
+VARIANT_KEYS = {
+    "delta": "trainmover",
+    "full_rebuild": "ablations.full_rebuild",
+    "no_overlap": "ablations.no_overlap",
+    "no_shadow": "ablations.no_shadow",
+}
+
+
+#: The run's description, kept by `resummarize`.
+META = ("benchmark", "started", "layout", "model", "compile", "repeats", "checkpoint_every",
+        "torchft_timeouts", "run_dir")  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_job_arguments(parser)
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions per system")
+    parser.add_argument("--warm-steps", type=int, default=8, help="steady steps before events")
+    parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    parser.add_argument(
+        "--torchft-timeouts",
+        type=float,
+        nargs="*",
+        default=[torchft_peer.DEFAULT_HEARTBEAT_TIMEOUT_S, 1.0],
+        help="lighthouse heartbeat timeouts to measure torchft at (s); none: skip torchft",
+    )
+
+
+def run(args: argparse.Namespace) -> Result:
+    config = config_from_args(args)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-bench-downtime-"))
+    result = Result(
+        "downtime",
+        layout=config.layout.model_dump(),
+        model=config.model.model_dump(),
+        compile=config.train.compile,
+        repeats=args.repeats,
+        checkpoint_every=args.every,
+        torchft_timeouts=args.torchft_timeouts,
+        run_dir=str(run_dir),
+    )
+    per_rep = len(VARIANTS) + 1 + 2 + len(args.torchft_timeouts)
+    progress = Progress("downtime", args.repeats * per_rep)
+    rows: dict[str, list[Any]] = {}
+
+    def record(name: str, value: Any) -> Any:
+        rows.setdefault(name, []).append(value)
+        return value
+
+    progress.note(f"starting TrainMover's job ({config.layout.machines} machines) in {run_dir}")
+    with TrainMoverJob(config, run_dir / "trainmover", standbys=1) as tm:
+        used_standby = False
+        for rep in range(args.repeats):
+            for variant in VARIANTS:
+                if variant == "no_shadow":
+                    out = attempt(partial(tm.planned, "no_shadow", 0))
+                else:
+                    steady = tm.settle(args.warm_steps, add_standby=used_standby)
+                    out = attempt(partial(tm.planned, variant, steady))
+                    used_standby = used_standby or isinstance(out, dict)
+                record(f"trainmover.{variant}", out)
+                progress.step(f"rep {rep + 1} trainmover {variant}: {_short(out)}")
+            out = attempt(partial(tm.failure, 0))
+            record("trainmover.failure", out)
+            progress.step(f"rep {rep + 1} trainmover failure: {_short(out)}")
+            # The TrainMover job is held (idle) while the baselines run.
+            with ckpt_restart.TorchrunJob(config, run_dir / f"torchrun-{rep}", args.every) as ck:
+                progress.note("starting the torchrun job")
+                ck.launch()
+                for kind in ("failure", "planned"):
+                    fn = ck.failure if kind == "failure" else ck.planned
+                    out = attempt(partial(fn, args.warm_steps))
+                    record(f"checkpoint_restart.{kind}", out)
+                    progress.step(f"rep {rep + 1} checkpoint-restart {kind}: {_short(out)}")
+            for hb in args.torchft_timeouts:
+                out = attempt(
+                    partial(
+                        torchft_peer.failure,
+                        config,
+                        run_dir / f"torchft-{rep}-{hb:g}",
+                        hb,
+                        args.warm_steps,
+                    )
+                )
+                record(f"torchft.hb{hb:g}", out)
+                progress.step(f"rep {rep + 1} torchft heartbeat timeout {hb:g} s: {_short(out)}")
+    summarize(result, rows, args.torchft_timeouts)
+    return result
+
+
+def _short(out: Any) -> str:
+    if isinstance(out, dict):
+        return f"downtime {out.get('downtime_s', float('nan')):.3f} s"
+    return str(out)
+
+
+def _ok(values: list[Any]) -> list[dict[str, Any]]:
+    return [v for v in values if isinstance(v, dict)]
+
+
+def _reason(values: list[Any]) -> str | None:
+    return next((v for v in values if isinstance(v, str)), None)
+
+
+def _phase_medians(rows: list[dict[str, Any]], key: str = "phases_s") -> dict[str, float]:
+    if not rows:
+        return {}
+    return {p: statistics.median(r[key][p] for r in rows) for p in rows[0][key]}
+
+
+def summarize(result: Result, rows: dict[str, list[Any]], timeouts: list[float]) -> None:
+    """The issue's keys from the raw rows (kept under "runs")."""
+    result.set("runs", rows)
+    for variant, key in VARIANT_KEYS.items():
+        values = rows.get(f"trainmover.{variant}", [])
+        ok = _ok(values)
+        result.set_median(
+            f"{key}.planned_downtime_s", [r["downtime_s"] for r in ok], _reason(values)
+        )
+        if ok:
+            result.set(f"{key}.phases_s", _phase_medians(ok))
+            result.set(f"{key}.group_build_s", statistics.median(r["group_build_s"] for r in ok))
+            result.set(f"{key}.normal_step_s", statistics.median(r["normal_step_s"] for r in ok))
+            result.set(f"{key}.groups_rebuilt", statistics.median(r["groups_rebuilt"] for r in ok))
+    fail = rows.get("trainmover.failure", [])
+    result.set_median(
+        "trainmover.failure_downtime_s", [r["downtime_s"] for r in _ok(fail)], _reason(fail)
+    )
+    # Memory: medians over the delta migrations.
+    mem = [r["memory_mib"] for r in _ok(rows.get("trainmover.delta", []))]
+    for field in mem[0] if mem else ():
+        values = [m[field] for m in mem if m[field] is not None]
+        result.set(f"memory_mib.{field}", statistics.median(values) if values else None,
+                   "not sampled")  # fmt: skip
+
+    for kind in ("planned", "failure"):
+        values = rows.get(f"checkpoint_restart.{kind}", [])
+        ok = _ok(values)
+        result.set_median(
+            f"checkpoint_restart.{kind}_downtime_s", [r["downtime_s"] for r in ok], _reason(values)
+        )
+        if ok:
+            result.set(f"checkpoint_restart.{kind}_phases_s", _phase_medians(ok))
+    ck_fail = _ok(rows.get("checkpoint_restart.failure", []))
+    if ck_fail:
+        result.set("checkpoint_restart.failure_end_to_end_s",
+                   statistics.median(r["end_to_end_s"] for r in ck_fail))  # fmt: skip
+        result.set("checkpoint_restart.recomputed_steps",
+                   statistics.median(r["recomputed_steps"] for r in ck_fail))  # fmt: skip
+
+    torchft_peer.summarize(result, rows, timeouts)
+
+    tm_planned = result.get("trainmover.planned_downtime_s")
+    tm_fail = result.get("trainmover.failure_downtime_s")
+    why_fail = result.data["unavailable"].get("trainmover.failure_downtime_s")
+    for key, num, den, why in (
+        ("ratio.planned", result.get("checkpoint_restart.planned_downtime_s"), tm_planned, None),
+        ("ratio.failure", result.get("checkpoint_restart.failure_downtime_s"), tm_fail, why_fail),
+        ("ratio.failure_vs_torchft", result.get("torchft.failure_downtime_s"), tm_fail, why_fail),
+    ):
+        result.set(key, ratio(num, den), why or "a side is missing or TrainMover's is <= 0")
+    # TrainMover's planned downtime is about the step-time noise here and its median can
+    # be <= 0; the conservative ratio (baseline's best over TrainMover's worst) stays
+    # defined whenever any TrainMover sample is positive.
+    tm_stats = result.get("trainmover.planned_downtime_stats") or {}
+    ck_stats = result.get("checkpoint_restart.planned_downtime_stats") or {}
+    result.set(
+        "ratio.planned_conservative",
+        ratio(ck_stats.get("min"), tm_stats.get("max")),
+        "a side is missing or every TrainMover sample is <= 0",
+    )
+
+
+def write(result: Result, json_path: Path) -> None:
+    md, png = outputs(json_path)
+    result.write(json_path)
+    md.write_text(table(result))
+    stats = result.get
+
+    panels = [
+        (
+            "planned migration",
+            [
+                ("TrainMover", stats("trainmover.planned_downtime_stats")),
+                ("ablation: full rebuild", stats("ablations.full_rebuild.planned_downtime_stats")),
+                ("ablation: no overlap", stats("ablations.no_overlap.planned_downtime_stats")),
+                ("ablation: no shadow", stats("ablations.no_shadow.planned_downtime_stats")),
+                ("checkpoint-restart", stats("checkpoint_restart.planned_downtime_stats")),
+            ],
+        ),
+        (
+            "unplanned failure",
+            [
+                ("TrainMover", stats("trainmover.failure_downtime_stats")),
+                ("checkpoint-restart", stats("checkpoint_restart.failure_downtime_stats")),
+                ("torchft survivors' stall", stats("torchft.failure_downtime_stats")),
+            ],
+        ),
+    ]
+    panels = [(t, [(label, s or {"median": None}) for label, s in items]) for t, items in panels]
+    plot.bars(png, "Downtime per event (median, min–max)", panels, "seconds")
+
+
+def table(result: Result) -> str:
+    g = result.get
+    rows = [
+        ["TrainMover", fmt_stats(g("trainmover.planned_downtime_stats")),
+         fmt_stats(g("trainmover.failure_downtime_stats"))],
+        ["ablation: full rebuild", fmt_stats(g("ablations.full_rebuild.planned_downtime_stats")), ""],
+        ["ablation: no phase-1 overlap", fmt_stats(g("ablations.no_overlap.planned_downtime_stats")), ""],
+        ["ablation: no shadow iterations", fmt_stats(g("ablations.no_shadow.planned_downtime_stats")), ""],
+        ["checkpoint-restart (torchrun)", fmt_stats(g("checkpoint_restart.planned_downtime_stats")),
+         fmt_stats(g("checkpoint_restart.failure_downtime_stats"))],
+        ["torchft (survivors' stall, default timeout)", "",
+         fmt_stats(g("torchft.failure_downtime_stats"))],
+    ]  # fmt: skip
+    out = "Downtime in seconds, median (min–max)\n\n"
+    out += markdown_table(["system", "planned", "failure"], rows)
+    out += "\n" + markdown_table(
+        ["ratio", "value"],
+        [
+            [k, g(f"ratio.{k}")]
+            for k in ("planned", "planned_conservative", "failure", "failure_vs_torchft")
+        ],
+    )
+    phases = g("trainmover.phases_s") or {}
+    if phases:
+        out += "\nTrainMover phases (median s)\n\n" + markdown_table(
+            list(phases), [[phases[p] for p in phases]]
+        )
+    mem = g("memory_mib") or {}
+    if mem:
+        out += "\nMemory (MiB, RSS, median over migrations)\n\n" + markdown_table(
+            ["measure", "MiB"], [[k, v] for k, v in mem.items()]
+        )
+    if result.data["unavailable"]:
+        out += "\nNot measured\n\n" + markdown_table(
+            ["key", "reason"], [[k, v] for k, v in result.data["unavailable"].items()]
+        )
+    return out
+
+
+def resummarize(json_path: Path) -> Result:
+    """Recomputes the summary, table and plot of a finished run from its raw rows (after
+    a change to the summary; the measurements are not repeated)."""
+    data = json.loads(json_path.read_text())
+    result = Result("downtime")
+    result.data = {k: v for k, v in data.items() if k in META}
+    result.data["unavailable"] = {}
+    summarize(result, data["runs"], data.get("torchft_timeouts", []))
+    write(result, json_path)
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    write(result, args.json)
+    print(table(result))
+    return 0

@@ -1,0 +1,160 @@
+"""``trainmover bench rebalance``: the training-time ratio with a planned migration every
+P seconds, against the same job without migrations, alternating in one invocation.
+
+Training-time ratio = steps completed in a fixed wall time with migrations / without
+(useful step time over wall time, relative to the undisturbed run). Because the cores
+are shared and noisy, each migration's own cost is also accounted from inside the run
+(its downtime plus the stayers' extra step time while phase 1 builds in the background),
+which gives a second, less noisy ratio and the projection to one migration every 600 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from trainmover.bench import plot
+from trainmover.bench.report import Progress, Result, fmt_stats, markdown_table, outputs, summary
+from trainmover.bench.settings import add_job_arguments, config_from_args
+from trainmover.bench.trainmover_runs import TrainMoverJob
+from trainmover.runtime.bench import normal_step, step_end
+from trainmover.runtime.driver import LocalJob
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_job_arguments(parser)
+    parser.add_argument("--period", type=float, default=60.0, help="seconds between migrations")
+    parser.add_argument("--duration", type=float, default=180.0, help="wall time of each run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs with and without each")
+    parser.add_argument("--project", type=float, default=600.0, help="projected period (s)")
+
+
+def steps_between(job: LocalJob, start: float, end: float) -> int:
+    """Steps whose last rank finished inside [start, end]."""
+    return sum(1 for s in list(job.steps) if start < step_end(job, s) <= end)
+
+
+def phase1_excess(job: LocalJob, report: Any, normal: float) -> tuple[float, float]:
+    """The stayers' slowdown while phase 1 ran: (median period of the steps ending in
+    [prepare sent, ready + one step] / normal step, their summed extra time)."""
+    first = next(s for s in sorted(job.steps) if step_end(job, s) > report.prepare_sent)
+    periods = [
+        step_end(job, s) - step_end(job, s - 1)
+        for s in range(first, report.commit_step + 1)
+        if step_end(job, s) <= report.ready_at + normal
+    ]
+    if not periods:
+        return 1.0, 0.0
+    return statistics.median(periods) / normal, sum(p - normal for p in periods)
+
+
+def one_run(tm: TrainMoverJob, duration: float, period: float | None) -> dict[str, Any]:
+    """Trains for `duration` s of wall time, migrating every `period` s (None: never)."""
+    job = tm.job
+    job.set_limit(job.current_step() + 100_000)
+    job.wait_step(job.current_step() + 3)
+    start, steady_from = time.time(), job.current_step()
+    migrations = []
+    times = (
+        []
+        if period is None
+        else [start + period * i for i in range(1, math.ceil(duration / period))]
+    )
+    for at in times:
+        time.sleep(max(0.0, at - time.time()))
+        report = job.migrate({tm.leaver(): job.standbys[0]}, margin=tm.margin)
+        job.wait_step(report.commit_step + 1)
+        normal = normal_step(job, steady_from, report.commit_step)
+        downtime = (
+            step_end(job, report.commit_step + 1) - step_end(job, report.commit_step) - normal
+        )
+        slowdown, excess = phase1_excess(job, report, normal)
+        migrations.append({"commit_step": report.commit_step, "downtime_s": downtime,
+                           "normal_step_s": normal, "phase1_slowdown": slowdown,
+                           "phase1_excess_s": excess})  # fmt: skip
+        steady_from = report.commit_step + 2
+    time.sleep(max(0.0, start + duration - time.time()))
+    steps = steps_between(job, start, start + duration)
+    return {"migrations": migrations, "steps": steps, "wall_s": duration}
+
+
+def run(args: argparse.Namespace) -> Result:
+    config = config_from_args(args)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-bench-rebalance-"))
+    per_run = max(0, math.ceil(args.duration / args.period) - 1)
+    result = Result("rebalance", layout=config.layout.model_dump(), period_s=args.period,
+                    duration_s=args.duration, repeats=args.repeats, run_dir=str(run_dir))  # fmt: skip
+    progress = Progress("rebalance", 2 * args.repeats)
+    progress.note(f"starting the job with {per_run * args.repeats} standbys in {run_dir}")
+    runs: dict[str, list[dict[str, Any]]] = {"with": [], "without": []}
+    # Every standby starts up front: a standby starting mid-run would steal the shared
+    # cores (in production it is another machine).
+    with TrainMoverJob(config, run_dir, standbys=max(1, per_run * args.repeats)) as tm:
+        tm.settle(5, add_standby=False)
+        for rep in range(args.repeats):
+            for kind in ("without", "with"):
+                out = one_run(tm, args.duration, args.period if kind == "with" else None)
+                runs[kind].append(out)
+                progress.step(f"rep {rep + 1} {kind} migrations: {out['steps']} steps in "
+                              f"{args.duration:.0f} s, {len(out['migrations'])} migrations")  # fmt: skip
+    summarize(result, runs, args.period, args.project)
+    return result
+
+
+def summarize(result: Result, runs: dict[str, list[dict[str, Any]]], period: float,
+              project: float) -> None:  # fmt: skip
+    result.set("runs", runs)
+    ratios = [w["steps"] / wo["steps"] for w, wo in zip(runs["with"], runs["without"], strict=True)
+              if wo["steps"]]  # fmt: skip
+    result.set_median("training_time_ratio", ratios, "no run completed")
+    migs = [m for r in runs["with"] for m in r["migrations"]]
+    result.set_median("migration.downtime_s", [m["downtime_s"] for m in migs], "no migration ran")
+    result.set_median("migration.phase1_excess_s", [m["phase1_excess_s"] for m in migs],
+                      "no migration ran")  # fmt: skip
+    result.set_median("stayer_phase1_slowdown", [m["phase1_slowdown"] for m in migs],
+                      "no migration ran")  # fmt: skip
+    cost = None
+    if migs:
+        cost = statistics.median(max(0.0, m["downtime_s"]) + m["phase1_excess_s"] for m in migs)
+    result.set("migration.cost_s", cost, "no migration ran")
+    for key, p in (("accounted_ratio", period), (f"projected_ratio_{project:g}s", project)):
+        result.set(key, None if cost is None else 1 - cost / p, "no migration ran")
+
+
+def table(result: Result) -> str:
+    g = result.get
+    stats = g("training_time_ratio_stats") or summary([])
+    rows = [
+        ["training-time ratio (steps with / without)", fmt_stats(stats)],
+        [f"accounted ratio at {g('period_s'):g} s (1 - cost / period)", g("accounted_ratio")],
+        *[[f"projected ratio at {k.removeprefix('projected_ratio_')}", v]
+          for k, v in result.data.items() if k.startswith("projected_ratio_")],
+        ["migration cost (downtime + phase-1 excess), s", g("migration.cost_s")],
+        ["downtime per migration, s", fmt_stats(g("migration.downtime_stats"))],
+        ["stayers' step time during phase 1 / normal", fmt_stats(g("stayer_phase1_slowdown_stats"))],
+    ]  # fmt: skip
+    return markdown_table(["measure", "median (min–max)"], rows)
+
+
+def write(result: Result, json_path: Path) -> None:
+    md, png = outputs(json_path)
+    result.write(json_path)
+    md.write_text(table(result))
+    runs = result.get("runs")
+    panels = [("steps per run", [
+        ("without migrations", summary(r["steps"] for r in runs["without"])),
+        (f"migration every {result.get('period_s'):g} s", summary(r["steps"] for r in runs["with"])),
+    ])]  # fmt: skip
+    plot.bars(png, "Steps completed in the same wall time", panels, "steps")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    write(result, args.json)
+    print(table(result))
+    return 0

@@ -1,0 +1,102 @@
+"""One role of the reference job, built outside TrainMover for the baseline systems.
+
+The checkpoint-restart and torchft baselines must train *the same job* as TrainMover:
+same model, initial weights, dropout stream, data and optimizer for a role. This builds
+them exactly as `trainmover.runtime.reference` does (kept in step with it), and writes
+the per-step event lines the harnesses read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainmover.runtime.config import JobConfig
+from trainmover.runtime.data import TokenStream
+from trainmover.runtime.groups import Group
+from trainmover.runtime.layout import GroupKind, Role
+from trainmover.runtime.model import StageModel
+from trainmover.runtime.plan import GroupSpec, RankRef
+from trainmover.runtime.state import TrainingState
+
+
+@dataclass
+class RoleTraining:
+    """A role's model, optimizer, data reader and the state that tracks them."""
+
+    model: StageModel
+    optimizer: torch.optim.Optimizer
+    data: TokenStream
+    state: TrainingState
+
+
+CPU = torch.device("cpu")
+
+
+def build_role(
+    cfg: JobConfig, role: Role, tp_group: Any, device: torch.device = CPU
+) -> RoleTraining:
+    """Model, optimizer and data of `role`, seeded as the reference job seeds them.
+    `tp_group` is a zero-argument callable returning the current TP `Group`."""
+    torch.manual_seed(cfg.train.seed)
+    dropout = torch.Generator(device=device).manual_seed(
+        cfg.train.seed * 1_000 + role.dp * cfg.layout.pp + role.pp
+    )
+    model = StageModel(cfg.model, cfg.layout, role, cfg.train.seed, tp_group, dropout).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    if cfg.train.compile:
+        model.compile()
+    data = TokenStream(
+        seed=cfg.train.seed,
+        seq_len=cfg.model.seq_len,
+        vocab_size=cfg.model.vocab_size,
+        local_batch=cfg.train.micro_batch_size * cfg.train.micro_batches,
+        dp_rank=role.dp,
+        dp_size=cfg.layout.dp,
+    )
+    state = TrainingState(model, optimizer, {"data": data}, {"dropout": dropout})
+    return RoleTraining(model, optimizer, data, state)
+
+
+def solo_group(kind: GroupKind, name: str) -> Group:
+    """A group of one (no backend: its collectives are no-ops), for a layout dimension
+    of size 1 inside a baseline's replica."""
+    spec = GroupSpec(
+        name=name, kind=kind, generation=0, members=[RankRef(machine="solo", local_rank=0)]
+    )
+    return Group(spec, rank=0, backend=None, build_s=0.0)
+
+
+class EventWriter:
+    """Appends one JSON object per line (flushed) for the benchmark harness to read."""
+
+    def __init__(self, path: Path, **fields: Any):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", buffering=1)
+        self._fields = {"pid": os.getpid(), **fields}
+
+    def write(self, event: str, **fields: Any) -> None:
+        self._file.write(
+            json.dumps({"event": event, "t": time.time(), **self._fields, **fields}) + "\n"
+        )
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_events(folder: Path) -> list[dict[str, Any]]:
+    """Every event line written under `folder` (complete lines only), in time order."""
+    events = []
+    for path in sorted(folder.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line still being written
+    return sorted(events, key=lambda e: e["t"])

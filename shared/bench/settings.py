@@ -1,0 +1,75 @@
+"""The benchmarked job: the reference 3D-parallel job at benchmark sizes, and the command
+line options every sub-command shares to change it.
+
+Default: TP2 x PP2 x DP2 on 4 machines of 2 ranks, with a model large enough that a step
+takes a few tenths of a second on these 2 shared cores (so downtime is not lost in the
+step-time noise, and a step is long next to the control-plane round trips).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from trainmover.runtime.config import JobConfig, load_config
+from trainmover.runtime.layout import Layout
+
+#: Model and training sizes of the benchmark job (everything else: JobConfig defaults).
+BENCH_MODEL = {"vocab_size": 128, "d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 32}
+BENCH_TRAIN = {"micro_batches": 2, "micro_batch_size": 8, "steps": 1_000_000, "dump_steps": []}
+#: The smoke test's job: same layout shape, a tiny model.
+TINY_MODEL = {"vocab_size": 64, "d_model": 32, "n_heads": 4, "n_layers": 2, "seq_len": 16}
+
+
+def parse_layout(text: str) -> Layout:
+    """'2x2x2' -> Layout(tp=2, pp=2, dp=2) (TP x PP x DP)."""
+    try:
+        tp, pp, dp = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layout {text!r} is not TPxPPxDP") from None
+    return Layout(tp=tp, pp=pp, dp=dp)
+
+
+DEFAULT_LAYOUT = Layout(tp=2, pp=2, dp=2)
+
+
+def bench_config(
+    layout: Layout = DEFAULT_LAYOUT,
+    compile: bool = False,
+    tiny: bool = False,
+    base: JobConfig | None = None,
+) -> JobConfig:
+    """The benchmark's job config. Steps are open-ended: a benchmark ends its job with
+    limits, never by running out of steps."""
+    config = base or JobConfig(job="bench")
+    model = TINY_MODEL if tiny else BENCH_MODEL
+    if base is not None:
+        model = {}  # a user's config keeps its own model
+    return config.with_updates(
+        layout=layout.model_dump(),
+        model=model,
+        train={**BENCH_TRAIN, "compile": compile},
+    )
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", type=Path, required=True, help="result file (.md and .png beside it)"
+    )
+    parser.add_argument(
+        "--layout",
+        type=parse_layout,
+        default=DEFAULT_LAYOUT,
+        help="TPxPPxDP (default 2x2x2: 4 machines of 2 ranks)",
+    )
+    parser.add_argument(
+        "--config", type=Path, help="job config (YAML/JSON) instead of the bench model"
+    )
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--tiny", action="store_true", help="tiny model (smoke runs)")
+    parser.add_argument("--run-dir", type=Path, help="logs, checkpoints (default: a temp dir)")
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    base = load_config(args.config) if args.config else None
+    return bench_config(args.layout, args.compile, args.tiny, base)
