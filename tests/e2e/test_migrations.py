@@ -34,9 +34,10 @@ async def test_drain_through_the_client(cluster: Cluster, reference) -> None:
     assert (done.leaver, done.joiner) == ("m1", "s0")
     assert done.downtime_s is not None and "rebuilt 5 groups" in done.detail
 
-    state = await cluster.client.status(cluster.job)
-    assert state.machines["s0"].status == "active"
+    # The planner applies the end of the migration to the cluster state.
+    state = await cluster.wait_state(lambda s: s.machines["s0"].status == "active", WAIT_S)
     assert state.machines["s0"].cell == cluster.stack.config.layout.cells()[1]
+    assert not state.in_flight
     # The joiner trains on: its steps go past the switch step.
     switch_step = max(cluster.steps.values())
     await cluster.wait_step("s0", switch_step + 5, WAIT_S)
@@ -87,7 +88,7 @@ async def test_services_restarted_mid_migration_complete_it(cluster: Cluster, re
     retry = DrainEvent(event_id=first, job=cluster.job, machine="m0", reason="retry")
     await cluster.nc.jetstream().publish(f"tm.{cluster.job}.events.drain", retry.to_json())
     assert await cluster.wait_finished(WAIT_S) == ["m1", "m2", "s0", "s1"]
-    after = await cluster.client.status(cluster.job)
+    after = await cluster.wait_state(lambda s: s.revision > 0, WAIT_S)
     assert after.machines["s0"].status == "active"
     assert cluster.mismatches(reference, STEPS) == []
 
