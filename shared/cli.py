@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -82,8 +83,13 @@ def _progress_line(p: MigrationProgress) -> str:
 async def _status(args: argparse.Namespace) -> int:
     async with await TrainMoverClient.connect(args.nats_url) as tm:
         state = await tm.status(args.job)
+        migrations = await tm.migrations(args.job)
     if args.json:
-        print(state.model_dump_json(indent=2))
+        doc = {
+            "state": state.model_dump(mode="json"),
+            "migrations": [m.model_dump(mode="json") for m in migrations],
+        }
+        print(json.dumps(doc, indent=2))
         return 0
     lay = state.layout
     print(
@@ -102,6 +108,12 @@ async def _status(args: argparse.Namespace) -> int:
         )
     for queued in state.queued:
         print(f"queued: {queued.machine} (event {queued.event_id[:8]}): no standby free yet")
+    if migrations:
+        print(f"{'migration':<12}{'leaver -> joiner':<18}{'state':<14}{'downtime':>10}  detail")
+        for mig in migrations[-10:]:
+            who = f"{mig.leaver or '-'} -> {mig.joiner or '-'}"
+            down = f"{mig.downtime_s:.3f} s" if mig.downtime_s is not None else "-"
+            print(f"{mig.event_id[:10]:<12}{who:<18}{mig.state:<14}{down:>10}  {mig.detail[:60]}")
     return 0
 
 

@@ -9,6 +9,9 @@ import sys
 import pytest
 
 from tests.conftest import register_job
+from trainmover import bus
+from trainmover.messages import MigrationProgress
+from trainmover.subjects import JobSubjects
 
 
 def run_cli(*args: str, url: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -85,7 +88,48 @@ async def test_drain_status_and_watch(nc, job, nats_url):
     assert status.returncode == 0 and "TP2 x PP2 x DP2" in status.stdout
     assert "s0" in status.stdout and "standby" in status.stdout
     as_json = json.loads(run_cli("status", job, "--json", url=nats_url).stdout)
-    assert sorted(as_json["machines"]) == ["m0", "m1", "m2", "m3", "s0"]
+    assert sorted(as_json["state"]["machines"]) == ["m0", "m1", "m2", "m3", "s0"]
+    assert as_json["migrations"] == []
+
+
+async def test_status_lists_migrations_with_their_phase_and_downtime(nc, job, nats_url):
+    await register_job(nc, job)
+    js = nc.jetstream()
+    for state, downtime in (("phase1", None), ("done", 0.125)):
+        await bus.publish_durable(
+            js,
+            JobSubjects(job).progress,
+            MigrationProgress(
+                job=job,
+                event_id="e-drain-m2",
+                plan_id="p1",
+                state=state,
+                leaver="m2",
+                joiner="s0",
+                downtime_s=downtime,
+                detail="m2 -> s0 at step 40",
+            ),
+        )
+    await bus.publish_durable(
+        js,
+        JobSubjects(job).progress,
+        MigrationProgress(
+            job=job,
+            event_id="e-fail-m1",
+            plan_id="p2",
+            state="recovering",
+            leaver="m1",
+            joiner="s1",
+        ),
+    )
+    shown = run_cli("status", job, url=nats_url)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    done = next(line for line in lines if line.startswith("e-drain-m2"))
+    assert "m2 -> s0" in done and "done" in done and "0.125 s" in done
+    assert any(line.startswith("e-fail-m1") and "recovering" in line for line in lines)
+    as_json = json.loads(run_cli("status", job, "--json", url=nats_url).stdout)
+    assert [m["state"] for m in as_json["migrations"]] == ["done", "recovering"]
 
 
 def test_up_starts_the_bus_and_stops_on_ctrl_c(tmp_path):
