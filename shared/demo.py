@@ -123,6 +123,12 @@ async def kill(cluster: LocalCluster, machine: str) -> MigrationRow:
 
 
 async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -> MigrationRow:
+    # A straggler is moved only to a free warm standby (it is slow, not broken): wait for
+    # one, e.g. the drained machine back from its maintenance.
+    await cluster.wait_state(
+        lambda s: any(m.status == "standby" and m.warm_role_types for m in s.machines.values()),
+        WAIT_S,
+    )
     say(f"slowing {machine} by {extra_s} s of compute per step (a straggler)")
     async with cluster.client.watch(cluster.job) as items:
         reply = await bus.request(
