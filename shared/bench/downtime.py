@@ -254,6 +254,21 @@ def table(result: Result) -> str:
             for k in ("planned", "planned_conservative", "failure", "failure_vs_torchft")
         ],
     )
+    ft = {k: v for k, v in (g("torchft") or {}).items() if k.startswith("heartbeat_")}
+    if ft:
+        out += "\ntorchft per lighthouse heartbeat timeout (median (min–max))\n\n"
+        out += markdown_table(
+            ["heartbeat timeout", "survivors' stall s", "heal s", "reduced-batch steps",
+             "lost step equivalents"],
+            [[k.removeprefix("heartbeat_"), fmt_stats(v.get("stall_stats")),
+              fmt_stats(v.get("heal_stats")), fmt_stats(v.get("reduced_batch_steps_stats")),
+              fmt_stats(v.get("lost_steps_equivalent_stats"))] for k, v in ft.items()],
+        )  # fmt: skip
+    for kind in ("planned", "failure"):
+        ck = g(f"checkpoint_restart.{kind}_phases_s") or {}
+        if ck:
+            out += f"\nCheckpoint-restart {kind} phases (median s)\n\n"
+            out += markdown_table(list(ck), [[ck[p] for p in ck]])
     phases = g("trainmover.phases_s") or {}
     if phases:
         out += "\nTrainMover phases (median s)\n\n" + markdown_table(
@@ -278,7 +293,11 @@ def resummarize(json_path: Path) -> Result:
     result = Result("downtime")
     result.data = {k: v for k, v in data.items() if k in META}
     result.data["unavailable"] = {}
-    summarize(result, data["runs"], data.get("torchft_timeouts", []))
+    timeouts = data.get("torchft_timeouts") or [
+        float(k.removeprefix("torchft.hb")) for k in data["runs"] if k.startswith("torchft.hb")
+    ]
+    summarize(result, data["runs"], timeouts)
+    result.data["torchft_timeouts"] = timeouts
     write(result, json_path)
     return result
 
