@@ -21,10 +21,12 @@ from trainmover.bench.report import (
     Progress,
     Result,
     attempt,
+    first_reason,
     fmt_stats,
     markdown_table,
     outputs,
     ratio,
+    successes,
 )
 from trainmover.bench.settings import add_job_arguments, config_from_args
 from trainmover.bench.trainmover_runs import VARIANTS, TrainMoverJob
@@ -125,14 +127,6 @@ def _short(out: Any) -> str:
     return str(out)
 
 
-def _ok(values: list[Any]) -> list[dict[str, Any]]:
-    return [v for v in values if isinstance(v, dict)]
-
-
-def _reason(values: list[Any]) -> str | None:
-    return next((v for v in values if isinstance(v, str)), None)
-
-
 def _phase_medians(rows: list[dict[str, Any]], key: str = "phases_s") -> dict[str, float]:
     if not rows:
         return {}
@@ -144,9 +138,9 @@ def summarize(result: Result, rows: dict[str, list[Any]], timeouts: list[float])
     result.set("runs", rows)
     for variant, key in VARIANT_KEYS.items():
         values = rows.get(f"trainmover.{variant}", [])
-        ok = _ok(values)
+        ok = successes(values)
         result.set_median(
-            f"{key}.planned_downtime_s", [r["downtime_s"] for r in ok], _reason(values)
+            f"{key}.planned_downtime_s", [r["downtime_s"] for r in ok], first_reason(values)
         )
         if ok:
             result.set(f"{key}.phases_s", _phase_medians(ok))
@@ -155,10 +149,12 @@ def summarize(result: Result, rows: dict[str, list[Any]], timeouts: list[float])
             result.set(f"{key}.groups_rebuilt", statistics.median(r["groups_rebuilt"] for r in ok))
     fail = rows.get("trainmover.failure", [])
     result.set_median(
-        "trainmover.failure_downtime_s", [r["downtime_s"] for r in _ok(fail)], _reason(fail)
+        "trainmover.failure_downtime_s",
+        [r["downtime_s"] for r in successes(fail)],
+        first_reason(fail),
     )
     # Memory: medians over the delta migrations.
-    mem = [r["memory_mib"] for r in _ok(rows.get("trainmover.delta", []))]
+    mem = [r["memory_mib"] for r in successes(rows.get("trainmover.delta", []))]
     for field in mem[0] if mem else ():
         values = [m[field] for m in mem if m[field] is not None]
         result.set(f"memory_mib.{field}", statistics.median(values) if values else None,
@@ -166,13 +162,15 @@ def summarize(result: Result, rows: dict[str, list[Any]], timeouts: list[float])
 
     for kind in ("planned", "failure"):
         values = rows.get(f"checkpoint_restart.{kind}", [])
-        ok = _ok(values)
+        ok = successes(values)
         result.set_median(
-            f"checkpoint_restart.{kind}_downtime_s", [r["downtime_s"] for r in ok], _reason(values)
+            f"checkpoint_restart.{kind}_downtime_s",
+            [r["downtime_s"] for r in ok],
+            first_reason(values),
         )
         if ok:
             result.set(f"checkpoint_restart.{kind}_phases_s", _phase_medians(ok))
-    ck_fail = _ok(rows.get("checkpoint_restart.failure", []))
+    ck_fail = successes(rows.get("checkpoint_restart.failure", []))
     if ck_fail:
         result.set("checkpoint_restart.failure_end_to_end_s",
                    statistics.median(r["end_to_end_s"] for r in ck_fail))  # fmt: skip
@@ -254,6 +252,21 @@ def table(result: Result) -> str:
             for k in ("planned", "planned_conservative", "failure", "failure_vs_torchft")
         ],
     )
+    ft = {k: v for k, v in (g("torchft") or {}).items() if k.startswith("heartbeat_")}
+    if ft:
+        out += "\ntorchft per lighthouse heartbeat timeout (median (min–max))\n\n"
+        out += markdown_table(
+            ["heartbeat timeout", "survivors' stall s", "heal s", "reduced-batch steps",
+             "lost step equivalents"],
+            [[k.removeprefix("heartbeat_"), fmt_stats(v.get("stall_stats")),
+              fmt_stats(v.get("heal_stats")), fmt_stats(v.get("reduced_batch_steps_stats")),
+              fmt_stats(v.get("lost_steps_equivalent_stats"))] for k, v in ft.items()],
+        )  # fmt: skip
+    for kind in ("planned", "failure"):
+        ck = g(f"checkpoint_restart.{kind}_phases_s") or {}
+        if ck:
+            out += f"\nCheckpoint-restart {kind} phases (median s)\n\n"
+            out += markdown_table(list(ck), [[ck[p] for p in ck]])
     phases = g("trainmover.phases_s") or {}
     if phases:
         out += "\nTrainMover phases (median s)\n\n" + markdown_table(
@@ -278,7 +291,11 @@ def resummarize(json_path: Path) -> Result:
     result = Result("downtime")
     result.data = {k: v for k, v in data.items() if k in META}
     result.data["unavailable"] = {}
-    summarize(result, data["runs"], data.get("torchft_timeouts", []))
+    timeouts = data.get("torchft_timeouts") or [
+        float(k.removeprefix("torchft.hb")) for k in data["runs"] if k.startswith("torchft.hb")
+    ]
+    summarize(result, data["runs"], timeouts)
+    result.data["torchft_timeouts"] = timeouts
     write(result, json_path)
     return result
 

@@ -18,13 +18,12 @@ Stats = dict[str, Any]
 
 
 def _whiskers(stats: list[Stats]) -> tuple[list[float], list[list[float]]]:
-    medians = [s["median"] or 0.0 for s in stats]
-    low = [
-        m - (s["min"] if s["min"] is not None else m) for m, s in zip(medians, stats, strict=True)
-    ]
-    high = [
-        (s["max"] if s["max"] is not None else m) - m for m, s in zip(medians, stats, strict=True)
-    ]
+    """Medians (0 when missing) and their distances to min and max."""
+    medians = [s.get("median") or 0.0 for s in stats]
+    low, high = [], []
+    for m, s in zip(medians, stats, strict=True):
+        low.append(m - (s["min"] if s.get("min") is not None else m))
+        high.append((s["max"] if s.get("max") is not None else m) - m)
     return medians, [low, high]
 
 

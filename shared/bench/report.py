@@ -98,6 +98,16 @@ class Result:
         return path
 
 
+def successes(values: list[Any]) -> list[dict[str, Any]]:
+    """The measured rows among `attempt` outcomes (the rest are reason strings)."""
+    return [v for v in values if isinstance(v, dict)]
+
+
+def first_reason(values: list[Any]) -> str | None:
+    """Why a measurement has no value: the first reason among `attempt` outcomes."""
+    return next((v for v in values if isinstance(v, str)), None)
+
+
 def attempt(fn: Callable[[], T]) -> T | str:
     """Runs one measurement; a NotMeasurable (or a failure of a peer system) becomes its
     reason string instead of ending the whole benchmark (the progress line shows it)."""

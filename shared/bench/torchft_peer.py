@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmover.bench.ckpt_restart import free_port
-from trainmover.bench.report import NotMeasurable, Result
+from trainmover.bench.report import NotMeasurable, Result, first_reason, successes
 from trainmover.bench.role import read_events
 from trainmover.runtime.config import JobConfig, save_config
 
@@ -155,15 +155,13 @@ def failure(
 def summarize(result: Result, rows: dict[str, list[Any]], timeouts: list[float]) -> None:
     """torchft's keys: failure_downtime_s (survivors' stall at the default timeout) and,
     per timeout, stall, heal time and reduced-batch work."""
-    from trainmover.bench.downtime import _ok, _reason  # shared row helpers
-
     if not timeouts:
         result.set("torchft.failure_downtime_s", None, "skipped (--torchft-timeouts empty)")
         return
     for hb in timeouts:
         values = rows.get(f"torchft.hb{hb:g}", [])
-        ok = _ok(values)
-        why = _reason(values)
+        ok = successes(values)
+        why = first_reason(values)
         base = f"torchft.heartbeat_{hb:g}s"
         result.set_median(f"{base}.stall_s", [r["downtime_s"] for r in ok], why)
         result.set_median(f"{base}.heal_s", [r["heal_s"] for r in ok], why)
@@ -176,6 +174,6 @@ def summarize(result: Result, rows: dict[str, list[Any]], timeouts: list[float])
         DEFAULT_HEARTBEAT_TIMEOUT_S if DEFAULT_HEARTBEAT_TIMEOUT_S in timeouts else timeouts[0]
     )
     values = rows.get(f"torchft.hb{default:g}", [])
-    result.set_median("torchft.failure_downtime_s", [r["downtime_s"] for r in _ok(values)],
-                      _reason(values))  # fmt: skip
+    result.set_median("torchft.failure_downtime_s", [r["downtime_s"] for r in successes(values)],
+                      first_reason(values))  # fmt: skip
     result.set("torchft.failure_downtime_heartbeat_timeout_s", default)
