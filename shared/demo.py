@@ -178,7 +178,7 @@ async def run(steps: int, workdir: Path, scenarios: list[Scenario]) -> DemoRepor
 
 def table(report: DemoReport) -> str:
     lines = [
-        f"{'event':<9}{'leaver -> joiner':<18}{'state':<8}{'downtime':>10}  "
+        f"{'event':<11}{'leaver -> joiner':<18}{'state':<8}{'downtime':>10}  "
         f"{'groups rebuilt':<16}phases (s)",
     ]
     for m in report.migrations:
