@@ -186,7 +186,7 @@ def table(report: DemoReport) -> str:
         groups = f"{len(m.groups_rebuilt)} of {m.groups_total}" if m.groups_total else "-"
         phases = ", ".join(f"{k} {v:.3f}" for k, v in m.phases.items() if k != "downtime")
         lines.append(
-            f"{m.kind:<9}{f'{m.leaver} -> {m.joiner}':<18}{m.state:<8}{down:>10}  "
+            f"{m.kind:<11}{f'{m.leaver} -> {m.joiner}':<18}{m.state:<8}{down:>10}  "
             f"{groups:<16}{phases}"
         )
     verdict = "bit-identical" if report.bitexact else f"DIFFERENT ({len(report.mismatches)})"
