@@ -347,6 +347,11 @@ class HealthMonitor:
         self.metrics.step_stats.inc(job=job)
         if self.roster.status(job, stats.machine) != "active":
             return  # standbys run shadow iterations: their times are not the job's
+        state = self.roster.state(job)
+        if state is not None and state.in_flight:
+            # A migration's phase 1 builds groups in the background and slows the
+            # stayers' compute; no verdicts on speed until it is over.
+            return
         finding = self.stragglers.observe(job, stats.machine, stats.step, stats.compute_s)
         if finding is None:
             return

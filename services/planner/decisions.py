@@ -111,25 +111,18 @@ class Planner:
     def _plan_planned(self, state: ClusterState, event: Event, now: float) -> Outcome:
         assert event.machine is not None
         leaver = event.machine
+        busy = _rebuilding(state, leaver)
+        if busy is not None:
+            # Two plans must never rebuild one group at once (both would claim its next
+            # generation): a drain waits for the other migration, anything else is dropped.
+            reason = f"migration {busy.plan_id[:8]} is rebuilding {leaver}'s groups"
+            if isinstance(event, DrainEvent):
+                return self._queue(state, event, leaver, f"{reason}: the drain waits")
+            return self._reject(state, event, reason)
         joiner = self._free_standby(state, leaver)
         if joiner is None:
             if isinstance(event, DrainEvent):
-                queued = QueuedEvent(
-                    event_id=event.event_id, machine=leaver, raw=event.model_dump_json()
-                )
-                state = state.model_copy(update={"queued": [*state.queued, queued]})
-                return Outcome(
-                    state,
-                    progress=[
-                        _progress(
-                            state,
-                            event.event_id,
-                            "queued",
-                            "no warm standby free: the drain waits for one",
-                            leaver,
-                        )
-                    ],
-                )
+                return self._queue(state, event, leaver, "no warm standby free: the drain waits")
             return self._reject(state, event, "no warm standby free")
         deadline = None
         if isinstance(event, DrainEvent) and event.deadline_s is not None:
@@ -288,6 +281,11 @@ class Planner:
             ],
         )
 
+    def _queue(self, state: ClusterState, event: DrainEvent, leaver: str, reason: str) -> Outcome:
+        queued = QueuedEvent(event_id=event.event_id, machine=leaver, raw=event.model_dump_json())
+        state = state.model_copy(update={"queued": [*state.queued, queued]})
+        return Outcome(state, progress=[_progress(state, event.event_id, "queued", reason, leaver)])
+
     def _reject(self, state: ClusterState, event: Event, reason: str) -> Outcome:
         state = _remember(state, event.event_id, "rejected")
         return Outcome(
@@ -399,14 +397,14 @@ class Planner:
                         }
                     }
                 )
-            return Outcome(state)
+            return self._serve_queue(Outcome(state), now)
         # Failed or aborted: the executor rolled phase 1 back; the leaver keeps its role
         # (planned) and the joiner goes back to the pool.
         state = _drop_plan(state, plan, restore_joiner=True)
         for move in plan.moves:
             if state.machines[move.leaver].status == "leaving":
                 state = _set_machine(state, move.leaver, status="active")
-        return Outcome(state)
+        return self._serve_queue(Outcome(state), now)
 
     # --- standby pool ------------------------------------------------------------------
 
@@ -442,7 +440,7 @@ class Planner:
             if leaver_state is None or leaver_state.status not in ("active", "leaving"):
                 state = state.model_copy(update={"queued": rest})
                 continue
-            if self._free_standby(state, head.machine) is None:
+            if self._free_standby(state, head.machine) is None or _rebuilding(state, head.machine):
                 break
             state = state.model_copy(update={"queued": rest})
             event = decode_event(head.raw)
@@ -481,6 +479,15 @@ def _drop_plan(state: ClusterState, plan: Plan, restore_joiner: bool) -> Cluster
             if state.machines[move.joiner].status == "joining":
                 state = _set_machine(state, move.joiner, status="standby")
     return state
+
+
+def _rebuilding(state: ClusterState, machine: str) -> Plan | None:
+    """An in-flight plan that rebuilds a group of `machine`'s role, if any."""
+    cell = state.machines[machine].cell
+    if cell is None:
+        return None
+    mine = set(state.layout.groups_containing(state.layout.roles_of(cell)))
+    return next((p for p in state.in_flight.values() if mine & {g.name for g in p.groups}), None)
 
 
 def _plan_with_leaver(state: ClusterState, machine: str) -> Plan | None:
