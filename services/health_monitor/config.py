@@ -46,8 +46,8 @@ class Settings:
     check_interval: float | None = None
     """How often lapses are checked (default: a tenth of the heartbeat interval)."""
     watch_statuses: list[str] = field(default_factory=lambda: ["active", "standby", "leaving"])
-    straggler_factor: float = 1.5
-    straggler_steps: int = 5
+    straggler_factor: float = 2.0
+    straggler_steps: int = 10
     """Consecutive slow steps before a straggler event (and normal ones to clear it)."""
     straggler_window: int = 20
     """Steps per machine that make its median."""
@@ -210,8 +210,8 @@ def parser() -> argparse.ArgumentParser:
     a("--startup-grace", type=float, metavar="S", help="first-heartbeat grace (the timeout)")
     a("--check-interval", type=float, metavar="S", help="lapse check period (interval/10)")
     a("--watch-statuses", help="comma list of machine statuses to watch")
-    a("--straggler-factor", type=float, help="slow = above factor x job median (1.5)")
-    a("--straggler-steps", type=int, help="consecutive slow steps to flag (5)")
+    a("--straggler-factor", type=float, help="slow = above factor x job median (2.0)")
+    a("--straggler-steps", type=int, help="consecutive slow steps to flag (10)")
     a("--straggler-window", type=int, help="steps per machine median (20)")
     a("--dedup-window", type=float, metavar="S", help="incident dedup window (300)")
     a("--rules", metavar="FILE", help="alert rules file (YAML or TOML)")

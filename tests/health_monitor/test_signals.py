@@ -126,7 +126,7 @@ async def test_straggler_needs_sustained_slowness(
     await register_job(nc, job)
     events = await events_of(nc, job)
     heartbeats(ALL)
-    await monitor("--straggler-steps", "4", "--straggler-window", "8")
+    await monitor("--straggler-steps", "4", "--straggler-window", "8", "--straggler-factor", "1.5")
     subjects = JobSubjects(job)
 
     async def step(n: int, times: dict[str, float]) -> None:
