@@ -201,7 +201,10 @@ async def connect(
         log.warning("nats_error", client=name, error=str(err))
 
     async def on_disconnect() -> None:
-        log.warning("nats_disconnected", client=name)
+        if nc.is_closed or nc.is_draining:
+            log.debug("nats_closed", client=name)  # our own close: nothing to warn about
+        else:
+            log.warning("nats_disconnected", client=name)
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected", client=name)
