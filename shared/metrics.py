@@ -81,19 +81,16 @@ class _Metric:
         raise NotImplementedError
 
 
-class Counter(_Metric):
-    """A value that only goes up (events, requests, heartbeats)."""
+class _Valued(_Metric):
+    """One number per label set (what counters and gauges share)."""
 
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
+    def __init__(
+        self, name: str, help_text: str, labels: Sequence[str] = (), start_at_zero: bool = False
+    ) -> None:
         super().__init__(name, help_text, labels)
-        # An unlabelled series exists from the start, at zero (Prometheus convention).
-        self._values: dict[LabelKey, float] = {} if labels else {(): 0.0}
+        self._values: dict[LabelKey, float] = {(): 0.0} if start_at_zero and not labels else {}
 
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        if amount < 0:
-            raise ValueError(f"counter {self.name} cannot decrease")
+    def _add(self, amount: float, labels: dict[str, str]) -> None:
         key = self._key(labels)
         with self._lock:
             self._values[key] = self._values.get(key, 0.0) + amount
@@ -108,14 +105,25 @@ class Counter(_Metric):
         return [f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in items]
 
 
-class Gauge(_Metric):
+class Counter(_Valued):
+    """A value that only goes up (events, requests, heartbeats)."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
+        # An unlabelled series exists from the start, at zero (Prometheus convention).
+        super().__init__(name, help_text, labels, start_at_zero=True)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        if amount < 0:
+            raise ValueError(f"counter {self.name} cannot decrease")
+        self._add(amount, labels)
+
+
+class Gauge(_Valued):
     """A value that goes up and down (machines up, queue depth)."""
 
     kind = "gauge"
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labels)
-        self._values: dict[LabelKey, float] = {}
 
     def set(self, value: float, **labels: str) -> None:
         key = self._key(labels)
@@ -123,26 +131,15 @@ class Gauge(_Metric):
             self._values[key] = float(value)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        self._add(amount, labels)
 
     def dec(self, amount: float = 1.0, **labels: str) -> None:
-        self.inc(-amount, **labels)
+        self._add(-amount, labels)
 
     def remove(self, **labels: str) -> None:
         """Drops a label set (e.g. a job no longer watched) from the exposition."""
         with self._lock:
             self._values.pop(self._key(labels), None)
-
-    def value(self, **labels: str) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def samples(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return [f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in items]
 
 
 class Histogram(_Metric):
