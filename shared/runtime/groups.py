@@ -378,6 +378,15 @@ class GroupBuilder:
         if done:
             self._shutdown_built()
 
+    @property
+    def discarded(self) -> bool:
+        return self._discarded
+
+    def settle(self, timeout_s: float) -> bool:
+        """Waits until the build thread ended (a discarded build ends at the latest when
+        its rendezvous times out); False if it did not within `timeout_s`."""
+        return self._done.wait(timeout_s)
+
     def _shutdown_built(self) -> None:
         built, self.built = self.built, []
         for group in built:

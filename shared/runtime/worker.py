@@ -141,6 +141,7 @@ class Runtime:
         self._agreement: CommitAgreement | None = None
         self._recovery: _Recovery | None = None
         self._superseded: set[str] = set()  # recover plans replaced by a newer one
+        self._builders: list[GroupBuilder] = []
         self._in_flight: int | None = None
         self._voted = self._discarded = self._committed_in_flight = False
         self._warm_queue: list[c.Warm] = []
@@ -441,6 +442,11 @@ class Runtime:
         if self._agreement is not None:
             self._agreement.close()
         self.groups.shutdown()
+        # A thread still blocked in an abandoned rendezvous (a member that died) would
+        # abort the process when it returns during interpreter teardown: let it end first.
+        for builder in self._builders:
+            if builder.discarded and not builder.settle(self._timeout_s):
+                self.log.warning("abandoned_build_still_running", groups=len(builder.specs))
         step = self._state.step if self._state else 0
         self.log.info("exit", reason=reason, step=step, error=error or None)
         if not self._conn.closed.is_set():
@@ -909,6 +915,8 @@ class Runtime:
         # A store connection of its own: the builder thread must not share a client
         # with anything else running meanwhile.
         store = _store_client(self._store_address, self._timeout_s)
-        return GroupBuilder(
+        builder = GroupBuilder(
             specs, self.me, store, self.config.job, self.device, self._timeout_s, self.signal
-        ).start(name)
+        )
+        self._builders = [b for b in self._builders if not b.done] + [builder]
+        return builder.start(name)
