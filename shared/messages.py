@@ -161,13 +161,15 @@ class Heartbeat(Message):
 
 
 class StepStats(Message):
-    """Per-machine compute time of one step, excluding time waiting in collectives."""
+    """Per-machine compute time of one step, excluding time waiting in collectives and
+    the vote, and time the OS kept the training thread waiting for a CPU (`queued_s`)."""
 
     kind: Literal["step_stats"] = "step_stats"
     job: Name
     machine: Name
     step: int = Field(ge=0)
     compute_s: float = Field(ge=0)
+    queued_s: float = Field(default=0.0, ge=0)
     ts: float = Field(default_factory=now)
 
 

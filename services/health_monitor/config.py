@@ -51,6 +51,9 @@ class Settings:
     """Consecutive slow steps before a straggler event (and normal ones to clear it)."""
     straggler_window: int = 20
     """Steps per machine that make its median."""
+    straggler_retry: float = 30.0
+    """Seconds before a straggler the planner turned down may be proposed again (once a
+    standby is free, nothing is in flight and its cool-down is over)."""
     dedup_window: float = 300.0
     """Seconds an incident absorbs repeats of the same machine and kind."""
     rules: str | None = None
@@ -95,6 +98,7 @@ class Settings:
             "heartbeat_interval": self.heartbeat_interval,
             "heartbeat_timeout_intervals": self.heartbeat_timeout_intervals,
             "dedup_window": self.dedup_window,
+            "straggler_retry": self.straggler_retry,
             "dead_letter_rate": self.dead_letter_rate,
             "publish_timeout": self.publish_timeout,
         }
@@ -213,6 +217,7 @@ def parser() -> argparse.ArgumentParser:
     a("--straggler-factor", type=float, help="slow = above factor x job median (2.0)")
     a("--straggler-steps", type=int, help="consecutive slow steps to flag (10)")
     a("--straggler-window", type=int, help="steps per machine median (20)")
+    a("--straggler-retry", type=float, metavar="S", help="re-propose a rejected straggler (30)")
     a("--dedup-window", type=float, metavar="S", help="incident dedup window (300)")
     a("--rules", metavar="FILE", help="alert rules file (YAML or TOML)")
     a("--http-host", help="webhook/metrics listen address (0.0.0.0)")

@@ -192,6 +192,23 @@ class Emitter:
         self._metrics.open_incidents.set(len(self.table))
         return closed
 
+    def close(self, job: str, machine: str, kind: str, why: str) -> Incident | None:
+        """Closes one incident (its event was answered), so the next event for the
+        machine and kind is emitted, not taken for a repeat."""
+        incident = self.table.close((job, machine, kind))
+        if incident is not None:
+            log.info(
+                "incident_closed",
+                job=job,
+                machine=machine,
+                kind=kind,
+                event_id=incident.event_id,
+                reason=why,
+            )
+            self._queue.put_nowait(_Close(incident))
+            self._metrics.open_incidents.set(len(self.table))
+        return incident
+
     def expire(self) -> None:
         """Closes incidents older than the dedup window (their machine may re-emit)."""
         for incident in self.table.expire(self._clock()):

@@ -29,6 +29,7 @@ from trainmover.messages import (
     MessageError,
     StepStats,
     StragglerEvent,
+    StragglerEvidence,
     decode,
     new_id,
 )
@@ -39,6 +40,7 @@ from trainmover.services.health_monitor.emitter import Emitter
 from trainmover.services.health_monitor.events import event_id
 from trainmover.services.health_monitor.heartbeats import HeartbeatTracker, Lapse, abnormal_exits
 from trainmover.services.health_monitor.metrics import HealthMetrics
+from trainmover.services.health_monitor.reexamine import reason_to_ask_again
 from trainmover.services.health_monitor.roster import Roster, RosterChange
 from trainmover.services.health_monitor.rules import load_rules
 from trainmover.services.health_monitor.stragglers import StragglerDetector
@@ -353,19 +355,42 @@ class HealthMonitor:
             # stayers' compute; no verdicts on speed until it is over.
             return
         finding = self.stragglers.observe(job, stats.machine, stats.step, stats.compute_s)
-        if finding is None:
+        if finding is not None:
+            self._emit_straggler(
+                job,
+                stats.machine,
+                finding.step,
+                finding.evidence,
+                f"slow:{finding.first_slow_step}",
+            )
+        elif state is not None and self.stragglers.is_flagged(job, stats.machine):
+            self._reexamine(state, stats.machine, stats.step)
+
+    def _reexamine(self, state: ClusterState, machine: str, step: int) -> None:
+        """A machine still flagged: proposes it again if the planner turned its last
+        event down and could say yes now (`reexamine`)."""
+        assert self.emitter is not None
+        job = state.job
+        last = self.emitter.open_incident(job, machine, "straggler")
+        why = reason_to_ask_again(state, machine, last, time.time(), self.settings.straggler_retry)
+        evidence = self.stragglers.evidence(job, machine)
+        if why is None or evidence is None:
             return
-        ev = finding.evidence
+        log.info("straggler_reexamined", job=job, machine=machine, step=step, reason=why)
+        self.emitter.close(job, machine, "straggler", "the planner rejected it; asking again")
+        self._emit_straggler(job, machine, step, evidence, f"again:{step}")
+
+    def _emit_straggler(
+        self, job: str, machine: str, step: int, ev: StragglerEvidence, anchor: str
+    ) -> None:
         self._emit(
             StragglerEvent(
-                event_id=event_id(
-                    job, stats.machine, "straggler", f"slow:{finding.first_slow_step}"
-                ),
+                event_id=event_id(job, machine, "straggler", anchor),
                 job=job,
-                machine=stats.machine,
+                machine=machine,
                 reason=(
-                    f"compute time median {ev.machine_median_s:.4f}s over {ev.window} "
-                    f"consecutive steps (to step {finding.step}) above {ev.factor:g} x the job "
+                    f"compute time median {ev.machine_median_s:.4f}s over its last {ev.window} "
+                    f"steps (to step {step}) above {ev.factor:g} x the job "
                     f"median {ev.job_median_s:.4f}s"
                 ),
                 evidence=ev,

@@ -142,3 +142,18 @@ class StragglerDetector:
     def is_flagged(self, job: str, machine: str) -> bool:
         history = self._jobs.get(job, {}).get(machine)
         return bool(history and history.flagged)
+
+    def evidence(self, job: str, machine: str) -> StragglerEvidence | None:
+        """The case against a flagged machine as it stands now: the median of its last
+        `consecutive` steps against the job median; None when it is not flagged."""
+        history = self._jobs.get(job, {}).get(machine)
+        reference = self.job_median(job, excluding=machine)
+        if history is None or not history.flagged or not reference:
+            return None
+        recent = list(history.times)[-self.consecutive :]
+        return StragglerEvidence(
+            machine_median_s=statistics.median(recent),
+            job_median_s=reference,
+            factor=self.factor,
+            window=len(recent),
+        )

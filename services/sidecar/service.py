@@ -250,7 +250,13 @@ class Sidecar:
         # Compute time without the waits in collectives: a machine waiting on a slow
         # peer must not look slow itself.
         compute = done.compute_s if done.compute_s is not None else done.seconds
-        stats = StepStats(job=self.job, machine=self.machine, step=done.step, compute_s=compute)
+        stats = StepStats(
+            job=self.job,
+            machine=self.machine,
+            step=done.step,
+            compute_s=compute,
+            queued_s=done.queued_s,
+        )
         task = asyncio.ensure_future(
             self._nc.publish(self._subjects.stats(self.machine), stats.to_json())
         )

@@ -207,8 +207,12 @@ class StepDone(Message):
     #: slowest rank).
     vote_s: float = 0.0
     #: The step's own compute: its duration less the time spent waiting in collectives
-    #: and in the vote (a machine waiting for a slow peer does not look slow itself).
+    #: and in the vote (a machine waiting for a slow peer does not look slow itself) and
+    #: less `queued_s` (`trainmover.runtime.steptime`).
     compute_s: float | None = None
+    #: Run-queue delay of the training thread outside its waits: runnable, but the
+    #: operating system ran something else (a host shared with other processes).
+    queued_s: float = 0.0
 
 
 class Ready(Message):

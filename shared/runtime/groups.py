@@ -30,6 +30,7 @@ import torch.distributed as dist
 from trainmover.runtime import fault
 from trainmover.runtime.abort import POLL_S, WAITER, AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.plan import GroupSpec, RankRef
+from trainmover.runtime.steptime import WAITS
 
 _incarnations = itertools.count(1)
 
@@ -70,17 +71,6 @@ class PendingWork:
 
     def wait(self) -> None:
         self.group._wait(self)
-
-
-class CommClock:
-    """Seconds this process spent waiting on collectives and point-to-point works, so a
-    step's compute time can be told apart from its waiting (the straggler signal)."""
-
-    def __init__(self) -> None:
-        self.waited_s = 0.0
-
-
-COMM_CLOCK = CommClock()
 
 
 class Group:
@@ -153,17 +143,16 @@ class Group:
 
     def _wait(self, pending: PendingWork) -> None:
         peer = self.peer_machine(pending.peer)
-        started = time.perf_counter()
+        # Waiting is not computing: the step's compute time leaves it out.
         try:
-            if pending.future is not None:
-                self.signal.wait_future(pending.future, self.name, peer)
-            else:
-                self.signal.wait_work(pending.work, self.name, peer)
+            with WAITS.waiting():
+                if pending.future is not None:
+                    self.signal.wait_future(pending.future, self.name, peer)
+                else:
+                    self.signal.wait_work(pending.work, self.name, peer)
         except CollectiveError:
             pending.failed = self._failed = True
             raise
-        finally:
-            COMM_CLOCK.waited_s += time.perf_counter() - started
         self._inflight.remove(pending)
 
     def allreduce(self, tensor: torch.Tensor) -> None:

@@ -48,7 +48,6 @@ from trainmover.runtime.abort import POLL_S, AbortSignal, CollectiveError, StepA
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.config import JobConfig, load_config
 from trainmover.runtime.groups import (
-    COMM_CLOCK,
     BuildAbandoned,
     Group,
     GroupBuilder,
@@ -60,6 +59,7 @@ from trainmover.runtime.plan import GroupSpec, Plan, RankRef
 from trainmover.runtime.sandbox import DirectoryRecordStore, Recorder
 from trainmover.runtime.shadow import ShadowFn, run_shadow
 from trainmover.runtime.state import Stateful, TrainingState
+from trainmover.runtime.steptime import WAITS, StepTimer
 
 #: Environment the launcher sets for every worker process.
 ENV_CONTROL = "TM_CONTROL"
@@ -131,7 +131,6 @@ class Runtime:
         self._orphaned = False
         self._exit_reason: Literal["finished", "left", "error"] = "finished"
         self._loss: float | None = None
-        self._step_started = 0.0
         self._extra_s = 0.0  # fault injection only (control `slow`)
         self._timeout_s = config.runtime.group_timeout_s
         # Unplanned failures: the abort signal every wait checks, the commit vote, the
@@ -301,8 +300,7 @@ class Runtime:
             step = self._state.step + 1
             light = self._state.light()
             self._begin_step(step)
-            self._step_started = time.perf_counter()
-            waited_before = COMM_CLOCK.waited_s
+            timer = StepTimer()
             yield step
             if self._extra_s:
                 time.sleep(self._extra_s)  # fault injection (control `slow`): extra compute
@@ -311,7 +309,7 @@ class Runtime:
                     self._vote(step)
                 except StepAborted:
                     self._discarded = True
-            seconds = time.perf_counter() - self._step_started
+            measured = timer.stop()
             with self._cond:
                 self._in_flight = None
             if self._discarded:
@@ -328,16 +326,15 @@ class Runtime:
                 )
                 continue
             self._state.step = step
-            vote_s = self._agreement.last_vote_s if self._agreement else 0.0
-            waited = COMM_CLOCK.waited_s - waited_before
             self._conn.notify(
                 c.StepDone(
                     step=step,
                     t_end=time.time(),
-                    seconds=seconds,
+                    seconds=measured.seconds,
                     loss=self._loss,
-                    vote_s=vote_s,
-                    compute_s=max(0.0, seconds - waited - vote_s),
+                    vote_s=self._agreement.last_vote_s if self._agreement else 0.0,
+                    compute_s=measured.compute_s,
+                    queued_s=measured.queued_s,
                 )
             )
             self._loss = None
@@ -364,7 +361,8 @@ class Runtime:
     def _vote(self, step: int) -> None:
         self._voted = True
         if self._agreement is not None:
-            self._agreement.vote(step)  # raises StepAborted: nothing is applied
+            with WAITS.waiting():  # waiting for the slowest voter is not computing
+                self._agreement.vote(step)  # raises StepAborted: nothing is applied
         self._committed_in_flight = True
 
     def _begin_recording(self, step: int) -> None:

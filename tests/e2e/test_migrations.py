@@ -169,11 +169,17 @@ async def test_a_straggler_is_moved_and_a_failure_without_standby_falls_back(
             Command(job=cluster.job, machine="m3", op="slow", args={"extra_s": 0.4}),
         )
         assert reply.ok, reply.error
-        straggler = await asyncio.wait_for(_next_straggler(items), WAIT_S)
-    # Only m3 is slow: the others wait for it in collectives, which is not compute.
-    assert straggler.machine == "m3"
-    assert straggler.evidence.machine_median_s > 1.5 * straggler.evidence.job_median_s
-    done = await cluster.client.wait_for_migration(cluster.job, straggler.event_id, WAIT_S)
+        for _ in range(3):
+            straggler = await asyncio.wait_for(_next_straggler(items), WAIT_S)
+            # Only m3 is slow: the others wait for it in collectives, which is not compute.
+            assert straggler.machine == "m3"
+            assert straggler.evidence.machine_median_s > 1.5 * straggler.evidence.job_median_s
+            done = await cluster.client.wait_for_migration(cluster.job, straggler.event_id, WAIT_S)
+            if done.state != "rejected":
+                break
+            # On a loaded host the standbys may still be warming up: the monitor proposes
+            # m3 again once one is free, as long as it stays slow.
+            assert "no warm standby free" in done.detail, done.detail
     assert done.state == "done" and done.leaver == "m3", done.detail
 
     # Both standbys taken: a failure now has no warm standby and says it falls back.

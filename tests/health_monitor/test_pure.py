@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import sample_state
-from trainmover.messages import Heartbeat, MachineState, WorkerStatus
+from trainmover.messages import ClusterState, Heartbeat, MachineState, Plan, WorkerStatus
 from trainmover.services.health_monitor.alertmanager import PayloadError, parse_payload
 from trainmover.services.health_monitor.dedup import (
     Incident,
@@ -15,6 +15,7 @@ from trainmover.services.health_monitor.dedup import (
 )
 from trainmover.services.health_monitor.events import event_id
 from trainmover.services.health_monitor.heartbeats import HeartbeatTracker, abnormal_exits
+from trainmover.services.health_monitor.reexamine import free_standby, reason_to_ask_again
 from trainmover.services.health_monitor.roster import Roster
 from trainmover.services.health_monitor.rules import (
     RuleSet,
@@ -154,6 +155,85 @@ def test_repeated_step_reports_are_ignored() -> None:
     assert d.observe("j", "m1", 1, 1.0) is None
     assert d.observe("j", "m1", 1, 1.0) is None  # same step again: not a second slow step
     assert d.observe("j", "m1", 0, 1.0) is None
+
+
+def test_evidence_of_a_flagged_machine_is_its_recent_steps_against_the_job() -> None:
+    d = StragglerDetector(factor=1.5, consecutive=2, window=4, warmup=2)
+    for step in range(2):
+        _feed(d, step, {"m0": 0.1, "m1": 0.1, "m2": 0.1})
+    assert d.evidence("j", "m2") is None  # not flagged
+    for step in range(2, 6):
+        _feed(d, step, {"m0": 0.1, "m1": 0.1, "m2": 0.4})
+    evidence = d.evidence("j", "m2")
+    assert evidence is not None and d.is_flagged("j", "m2")
+    assert evidence.machine_median_s == pytest.approx(0.4)
+    assert evidence.job_median_s == pytest.approx(0.1)
+    assert evidence.window == 2
+
+
+# --- re-examining a rejected straggler ----------------------------------------------------
+
+NOW = 1000.0
+
+
+def _rejected_state(standby_warm: list[str] | None = None, **changes: object) -> ClusterState:
+    """m3 (last stage) was reported as a straggler in event "e1" and turned down."""
+    state = sample_state("j", standbys=1)
+    machines = dict(state.machines)
+    machines["s0"] = MachineState(status="joining")  # taken by another migration
+    if standby_warm is not None:
+        machines["s0"] = MachineState(status="standby", warm_role_types=standby_warm)
+    update = {"machines": machines, "handled": {"e1": "rejected"}, **changes}
+    return state.model_copy(update=update)
+
+
+LAST = Incident("j", "m3", "straggler", "e1", "straggler_detector", opened_ts=NOW - 60)
+
+
+def test_a_rejected_straggler_is_asked_again_once_a_warm_standby_is_free() -> None:
+    assert reason_to_ask_again(_rejected_state(), "m3", LAST, NOW, 30) is None
+    why = reason_to_ask_again(_rejected_state(["first", "last"]), "m3", LAST, NOW, 30)
+    assert why is not None and "standby s0 is free" in why and "e1 was rejected" in why
+
+
+@pytest.mark.parametrize(
+    ("state", "last", "what"),
+    [
+        (_rejected_state(["first"]), LAST, "a standby warm for another role type only"),
+        (_rejected_state(["last"], handled={}), LAST, "the planner has not decided yet"),
+        (_rejected_state(["last"], handled={"e1": "p-123"}), LAST, "it became a plan"),
+        (_rejected_state(["last"], cooldown_until={"m3": NOW + 5}), LAST, "cool-down"),
+        (
+            _rejected_state(["last"]),
+            Incident("j", "m3", "straggler", "e1", "straggler_detector", opened_ts=NOW - 10),
+            "asked 10 s ago, the interval is 30 s",
+        ),
+    ],
+)
+def test_a_rejected_straggler_is_not_asked_again(
+    state: ClusterState, last: Incident, what: str
+) -> None:
+    assert reason_to_ask_again(state, "m3", last, NOW, 30) is None, what
+
+
+def test_nothing_is_asked_while_a_migration_is_in_flight_or_of_a_machine_leaving() -> None:
+    plan = Plan(
+        job="j", plan_id="p1", event_id="e0", migration="planned", moves=[], groups=[], transfers=[]
+    )
+    busy = _rejected_state(["last"], in_flight={"p1": plan})
+    assert reason_to_ask_again(busy, "m3", LAST, NOW, 30) is None
+    free = _rejected_state(["last"])
+    leaving = {**free.machines, "m3": MachineState(status="leaving", cell=free.machines["m3"].cell)}
+    state = free.model_copy(update={"machines": leaving})
+    assert reason_to_ask_again(state, "m3", LAST, NOW, 30) is None
+
+
+def test_a_flagged_machine_without_an_open_incident_is_asked_when_a_standby_is_free() -> None:
+    # Its incident aged out of the dedup window while it stayed slow.
+    why = reason_to_ask_again(_rejected_state(["last"]), "m3", None, NOW, 30)
+    assert why is not None and "no open incident" in why
+    assert free_standby(_rejected_state(["first", "last"]), "m0") == "s0"
+    assert free_standby(_rejected_state(), "m0") is None
 
 
 # --- dedup --------------------------------------------------------------------------------

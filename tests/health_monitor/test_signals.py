@@ -3,6 +3,8 @@ monitor running in-process against the real nats-server."""
 
 from __future__ import annotations
 
+import asyncio
+
 from nats.aio.client import Client as NatsClient
 
 from tests.conftest import register_job, sample_state
@@ -157,6 +159,67 @@ async def test_straggler_needs_sustained_slowness(
         ("m2", "straggler"),
         ("m1", "straggler"),
     ]
+
+
+async def test_a_straggler_the_planner_rejected_is_proposed_again_while_still_slow(
+    nc: NatsClient, job: str, monitor: MonitorFactory, heartbeats
+) -> None:
+    state = sample_state(job, standbys=1)  # s0: a warm standby, free
+    await register_job(nc, job, state)
+    events = await events_of(nc, job)
+    heartbeats(ALL)
+    await monitor(
+        "--straggler-steps",
+        "4",
+        "--straggler-window",
+        "8",
+        "--straggler-factor",
+        "1.5",
+        "--straggler-retry",
+        "0.01",
+    )
+    subjects = JobSubjects(job)
+    normal = {"m0": 0.10, "m1": 0.11, "m2": 0.10, "m3": 0.12}
+    steps = iter(range(10_000))
+
+    async def step(times: dict[str, float]) -> None:
+        n = next(steps)
+        for machine, t in times.items():
+            stats = StepStats(job=job, machine=machine, step=n, compute_s=t)
+            await nc.publish(subjects.stats(machine), stats.to_json())
+
+    for _ in range(10):
+        await step(normal)
+    for _ in range(20):
+        await step({**normal, "m2": 0.3})
+    first = await events.wait_for(is_event("m2", kind="straggler"))
+    # Undecided by the planner: m2 stays slow, a standby is free, still one question.
+    for _ in range(10):
+        await step({**normal, "m2": 0.3})
+    for _ in range(10):  # sentinel on the same subscription: m1 slow too
+        await step({**normal, "m2": 0.3, "m1": 0.4})
+    await events.wait_for(is_event("m1", kind="straggler"))
+    assert [e.machine for e in events.items] == ["m2", "m1"]
+
+    # The planner turned m2 down (in its state, as it records decisions); the standby is
+    # free and m2 still slow: it is proposed again, as a new event.
+    kv = await nc.jetstream().key_value(subjects.bucket)
+    decided = state.model_copy(update={"handled": {first.event_id: "rejected"}, "revision": 1})
+    await kv.put("cluster", decided.to_json())
+
+    async def stay_slow() -> None:
+        while True:
+            await step({**normal, "m2": 0.3, "m1": 0.4})
+            await asyncio.sleep(0.02)
+
+    publisher = asyncio.create_task(stay_slow())
+    try:
+        again = await events.wait_for(lambda e: is_event("m2", "straggler")(e) and e is not first)
+    finally:
+        publisher.cancel()
+    assert isinstance(again, StragglerEvent) and again.event_id != first.event_id
+    assert again.evidence.machine_median_s == 0.3
+    assert again.source == "straggler_detector"
 
 
 async def test_restart_keeps_incidents_and_waits_for_heartbeats(

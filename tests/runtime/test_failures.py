@@ -4,11 +4,13 @@ checkpoint (DP=1); and shadow iterations of standbys. See conftest.py for the ru
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 
 import pytest
 import torch
 
+from trainmover.runtime.plan import RankRef
 from trainmover.runtime.state import load_saved
 
 from .conftest import (
@@ -93,6 +95,24 @@ def test_final_state_is_bit_identical_to_an_uninterrupted_run(
         for name, tensor in ours["tensors"].items():
             assert torch.equal(tensor, theirs["tensors"][name]), f"{role.key} {name}"
     assert sorted(failure_run.losses) == list(range(1, MIGRATED_STEPS + 1))
+
+
+def test_after_the_recoveries_no_rank_computes_much_longer_than_the_others(
+    failure_run: Run,
+) -> None:
+    """The straggler signal stays flat across recoveries: joiners, sources and stayers
+    alike compute about as long per step as the others (a generous factor: this is the
+    absence of a false straggler, not a timing claim)."""
+    last = max(report.step for report in failure_run.recoveries)
+    times: dict[RankRef, list[float]] = defaultdict(list)
+    for ref, event in failure_run.history:
+        if event.step > last + 3 and event.compute_s is not None:  # joiners warm up first
+            assert event.compute_s <= event.seconds
+            times[ref].append(event.compute_s)
+    assert len(times) == len(ROLES)
+    medians = {ref: statistics.median(t) for ref, t in times.items()}
+    job = statistics.median(medians.values())
+    assert all(m < 2 * job for m in medians.values()), (job, medians)
 
 
 def test_dp1_failure_falls_back_to_the_last_common_checkpoint(checkpoint_run: Run) -> None:

@@ -1,0 +1,85 @@
+"""A step's compute time (the straggler signal): waits and run-queue delay are left out,
+real extra work is not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainmover.runtime.steptime import WAITS, StepTimer, run_queue_s
+
+HAS_SCHEDSTAT = Path("/proc/thread-self/schedstat").exists()
+
+
+def _burn(cpu_s: float) -> None:
+    """Computes for `cpu_s` seconds of this thread's CPU time."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+def test_waiting_is_left_out_and_sleeping_outside_waits_counts() -> None:
+    timer = StepTimer()
+    with WAITS.waiting():
+        time.sleep(0.2)  # a collective: the peer is slow, not this rank
+    time.sleep(0.2)  # this rank's own extra time (what `slow` injects)
+    step = timer.stop()
+    assert step.waited_s >= 0.2
+    assert step.seconds >= 0.4
+    assert 0.2 <= step.compute_s < step.seconds - 0.2 + 1e-6
+
+
+def test_a_wait_that_raises_still_counts_as_waiting() -> None:
+    timer = StepTimer()
+    with pytest.raises(RuntimeError), WAITS.waiting():
+        time.sleep(0.1)
+        raise RuntimeError("peer closed the connection")
+    assert timer.stop().waited_s >= 0.1
+
+
+def test_waits_on_another_thread_do_not_count_against_this_one() -> None:
+    timer = StepTimer()
+
+    def other() -> None:
+        with WAITS.waiting():
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert timer.stop().waited_s < 0.1
+
+
+@pytest.mark.skipif(not HAS_SCHEDSTAT, reason="the kernel reports no run-queue delay here")
+def test_run_queue_delay_is_not_compute() -> None:
+    """The training thread shares its one CPU with a busy process: its step takes about
+    twice its CPU time, and the compute time is about the CPU time, not the wall time
+    (before the fix it was the wall time, and a queued rank looked like a straggler)."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        before = run_queue_s()
+        timer = StepTimer()
+        cpu_started = time.thread_time()
+        _burn(0.3)
+        step = timer.stop()
+        cpu_s = time.thread_time() - cpu_started
+    finally:
+        os.sched_setaffinity(0, mine)
+        hog.kill()
+        hog.wait()
+    assert run_queue_s() > before
+    # The hog got a fair share of the CPU, so this thread was queued for a good part.
+    assert step.queued_s > 0.25 * step.seconds
+    assert step.compute_s < 0.75 * step.seconds
+    assert step.compute_s < 1.5 * cpu_s + 0.05
+    assert step.compute_s == pytest.approx(step.seconds - step.queued_s)
