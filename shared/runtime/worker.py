@@ -50,7 +50,8 @@ from trainmover.runtime.config import JobConfig, load_config
 from trainmover.runtime.groups import COMM_CLOCK, Group, GroupBuilder, GroupTable, pick_device
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan, RankRef
-from trainmover.runtime.sandbox import DirectoryRecordStore, Recorder
+from trainmover.runtime.records import open_record_store
+from trainmover.runtime.sandbox import Recorder
 from trainmover.runtime.shadow import ShadowFn, run_shadow
 from trainmover.runtime.state import Stateful, TrainingState
 
@@ -133,9 +134,7 @@ class Runtime:
         self._warm_queue: list[c.Warm] = []
         self._warm_rounds = 0
         self._recorder: Recorder | None = None
-        self.records = DirectoryRecordStore(
-            Path(config.runtime.record_dir) if config.runtime.record_dir else run_dir / "records"
-        )
+        self.records = open_record_store(config, run_dir, f"worker.{machine}.{local_rank}")
         self.checkpoint_root = (
             Path(config.runtime.checkpoint_dir)
             if config.runtime.checkpoint_dir
@@ -367,7 +366,11 @@ class Runtime:
         self.groups["pp"].tap = None
         if committed is not None and self.role is not None:
             role_type = self.config.layout.role_type(self.role.pp)
-            size = recorder.save(self.records, role_type)
+            try:
+                size = recorder.save(self.records, role_type)
+            except Exception:  # standbys then synthesise; training must not stop for it
+                self.log.exception("record_failed", role_type=role_type, step=committed)
+                return
             self.log.info("recorded", role_type=role_type, bytes=size, step=committed)
 
     def _maybe_checkpoint(self, step: int) -> None:
@@ -425,6 +428,7 @@ class Runtime:
         if self._agreement is not None:
             self._agreement.close()
         self.groups.shutdown()
+        self.records.close()
         step = self._state.step if self._state else 0
         self.log.info("exit", reason=reason, step=step, error=error or None)
         if not self._conn.closed.is_set():
