@@ -25,7 +25,7 @@ from trainmover.security.credentials import CredentialsError
 from trainmover.security.denials import PermissionDenied
 from trainmover.subjects import InvalidName, check_name
 
-SERVICES = ("health-monitor", "planner", "executor", "sidecar")
+SERVICES = ("health-monitor", "planner", "executor", "sidecar", "rendezvous")
 
 
 class CliError(Exception):
