@@ -25,7 +25,7 @@ from trainmover.security.credentials import CredentialsError
 from trainmover.security.denials import PermissionDenied
 from trainmover.subjects import InvalidName, check_name
 
-SERVICES = ("health-monitor", "planner", "executor", "sidecar")
+SERVICES = ("health-monitor", "planner", "executor", "sidecar", "rendezvous")
 
 
 class CliError(Exception):
@@ -91,29 +91,9 @@ async def _status(args: argparse.Namespace) -> int:
         }
         print(json.dumps(doc, indent=2))
         return 0
-    lay = state.layout
-    print(
-        f"job {state.job}  layout TP{lay.tp} x PP{lay.pp} x DP{lay.dp}  "
-        f"({lay.ranks_per_machine} ranks/machine)  revision {state.revision}"
-    )
-    print(f"{'machine':<16}{'status':<13}{'role (dp, pp)':<16}warm role types")
-    for name, m in sorted(state.machines.items()):
-        role = f"dp{m.cell.dp} pp{m.cell.pp}" if m.cell else "-"
-        print(f"{name:<16}{m.status:<13}{role:<16}{','.join(m.warm_role_types) or '-'}")
-    for plan in state.in_flight.values():
-        moves = ", ".join(f"{mv.leaver} -> {mv.joiner}" for mv in plan.moves)
-        print(
-            f"in flight: {plan.migration} {moves}  plan {plan.plan_id[:8]} "
-            f"event {plan.event_id[:8]}  delta {len(plan.groups)} groups"
-        )
-    for queued in state.queued:
-        print(f"queued: {queued.machine} (event {queued.event_id[:8]}): no standby free yet")
-    if migrations:
-        print(f"{'migration':<12}{'leaver -> joiner':<18}{'state':<14}{'downtime':>10}  detail")
-        for mig in migrations[-10:]:
-            who = f"{mig.leaver or '-'} -> {mig.joiner or '-'}"
-            down = f"{mig.downtime_s:.3f} s" if mig.downtime_s is not None else "-"
-            print(f"{mig.event_id[:10]:<12}{who:<18}{mig.state:<14}{down:>10}  {mig.detail[:60]}")
+    from trainmover import statusview  # rich only for the table
+
+    statusview.render(state, migrations)
     return 0
 
 

@@ -67,6 +67,12 @@ EXECUTOR: Final = MappingProxyType(
     }
 )
 
+# --- rendezvous (services/rendezvous/service.py) ----------------------------------------
+RENDEZVOUS_KEYS: Final = "trainmover_rendezvous_keys"
+"""Keys in the job's rendezvous store (set by each /healthz probe)."""
+
+RENDEZVOUS: Final = MappingProxyType({RENDEZVOUS_KEYS: ()})
+
 MIGRATION_OUTCOMES: Final = tuple(sorted(TERMINAL_STATES))
 """Values of `outcome` on MIGRATIONS: the terminal states of a migration."""
 FAILED_OUTCOMES: Final = ("aborted", "failed")
@@ -94,9 +100,9 @@ MIGRATION_DOWNTIME_BUCKETS: Final = (
 ~16 s (planned) and ~21 s (unplanned) at 1,024 GPUs; SLOW_MIGRATION_S must be one of
 them, so the slow-migration alert can count the migrations above it exactly."""
 
-ALL: Final = MappingProxyType({**HEALTH, **PLANNER, **EXECUTOR})
+ALL: Final = MappingProxyType({**HEALTH, **PLANNER, **EXECUTOR, **RENDEZVOUS})
 """Every metric name -> its labels."""
 
 BY_SERVICE: Final = MappingProxyType(
-    {"health-monitor": HEALTH, "planner": PLANNER, "executor": EXECUTOR}
+    {"health-monitor": HEALTH, "planner": PLANNER, "executor": EXECUTOR, "rendezvous": RENDEZVOUS}
 )

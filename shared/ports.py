@@ -2,7 +2,8 @@
 
 Every service is started as `trainmover service NAME [flags]` (or `python -m
 trainmover.services.NAME [flags]`) and serves `/healthz` and `/metrics` (the
-health-monitor also `POST /webhook`) on one HTTP port. The manifests, scripts and units
+health-monitor also `POST /webhook`) on one HTTP port; the rendezvous service also
+serves the job's rendezvous store (a TCPStore) on RENDEZVOUS_PORT. The manifests, scripts and units
 in deploy/ are written against this module, and tests/deploy checks them against it;
 each service's argument parser must accept the flags listed here.
 """
@@ -14,12 +15,18 @@ from typing import Final
 
 from trainmover import __version__
 
-SERVICES: Final = ("health-monitor", "planner", "executor", "sidecar")
+SERVICES: Final = ("health-monitor", "planner", "executor", "sidecar", "rendezvous")
 
 DEFAULT_HTTP_PORTS: Final = MappingProxyType(
-    {"health-monitor": 9464, "planner": 9465, "executor": 9466, "sidecar": 9467}
+    {"health-monitor": 9464, "planner": 9465, "executor": 9466, "sidecar": 9467, "rendezvous": 9468}
 )
 """Default `--http-port` of each service: /healthz, /metrics (and /webhook)."""
+
+RENDEZVOUS_PORT: Final = 29400
+"""The rendezvous store's port (`--store-port`), as the sidecars' `--rendezvous` names it."""
+
+RENDEZVOUS_ENV: Final = "TRAINMOVER_RENDEZVOUS"
+"""HOST:PORT of the rendezvous store, when a sidecar gets no --rendezvous."""
 
 NATS_CLIENT_PORT: Final = 4222
 """nats-server's client port, as the manifests and units address it."""
@@ -29,10 +36,8 @@ METRICS_PATH: Final = "/metrics"
 WEBHOOK_PATH: Final = "/webhook"
 """The health-monitor's Alertmanager webhook."""
 
-COMMON_FLAGS: Final = frozenset(
+HTTP_FLAGS: Final = frozenset(
     {
-        "--nats-url",  # NATS server(s); default $TRAINMOVER_NATS_URL
-        "--job-config",  # the job config file (layout; a section per service)
         "--http-host",  # listen address of the HTTP port (0.0.0.0)
         "--http-port",  # the HTTP port (DEFAULT_HTTP_PORTS; 0 picks a free one)
         "--port-file",  # write the bound HTTP port here (for --http-port 0)
@@ -40,7 +45,13 @@ COMMON_FLAGS: Final = frozenset(
         "--log-level",
     }
 )
-"""Flags every service accepts."""
+"""Flags every service accepts (the rendezvous service needs no more)."""
+
+COMMON_FLAGS: Final = HTTP_FLAGS | {
+    "--nats-url",  # NATS server(s); default $TRAINMOVER_NATS_URL
+    "--job-config",  # the job config file (layout; a section per service)
+}
+"""Flags every service on the bus accepts."""
 
 SERVICE_FLAGS: Final = MappingProxyType(
     {
@@ -51,6 +62,12 @@ SERVICE_FLAGS: Final = MappingProxyType(
         | {
             "--machine",  # this machine's name in the job (the node's or pod's name)
             "--standby",  # join the standby pool (warm, not training) instead of a role
+            "--rendezvous",  # HOST:PORT of the rendezvous service's store
+        },
+        "rendezvous": HTTP_FLAGS
+        | {
+            "--store-host",  # listen address of the store (0.0.0.0)
+            "--store-port",  # RENDEZVOUS_PORT
         },
     }
 )

@@ -85,15 +85,9 @@ async def _run(service: Service) -> int:
     return 0
 
 
-def base_parser(prog: str, http_port: int) -> argparse.ArgumentParser:
-    """The flags every service takes; a service adds its own."""
+def http_parser(prog: str, http_port: int) -> argparse.ArgumentParser:
+    """The flags every service takes (its HTTP port and logs); a service adds its own."""
     p = argparse.ArgumentParser(prog=prog)
-    p.add_argument(
-        "--nats-url",
-        default=os.environ.get("TRAINMOVER_NATS_URL"),
-        help="NATS server(s); default $TRAINMOVER_NATS_URL",
-    )
-    p.add_argument("--job-config", help="the job config file (YAML or JSON)")
     p.add_argument("--http-host", default="127.0.0.1", help="address of /metrics and /healthz")
     p.add_argument("--http-port", type=int, default=http_port, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound HTTP port here")
@@ -102,7 +96,21 @@ def base_parser(prog: str, http_port: int) -> argparse.ArgumentParser:
     return p
 
 
-def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+def base_parser(prog: str, http_port: int) -> argparse.ArgumentParser:
+    """The flags of a service on the bus: `http_parser`'s, the bus and the job config."""
+    p = http_parser(prog, http_port)
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("TRAINMOVER_NATS_URL"),
+        help="NATS server(s); default $TRAINMOVER_NATS_URL",
+    )
+    p.add_argument("--job-config", help="the job config file (YAML or JSON)")
+    return p
+
+
+def parse(
+    parser: argparse.ArgumentParser, argv: list[str] | None, needs_bus: bool = True
+) -> argparse.Namespace:
     """Parses `argv`; a usage error becomes SettingsError (one line, exit 2)."""
 
     class _Raising(argparse.ArgumentParser):
@@ -111,7 +119,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
 
     parser.__class__ = _Raising
     args = parser.parse_args(argv)
-    if not args.nats_url:
+    if needs_bus and not args.nats_url:
         raise SettingsError("no NATS URL: pass --nats-url or set TRAINMOVER_NATS_URL")
     return args
 

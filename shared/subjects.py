@@ -15,6 +15,7 @@ jobs and a producer in another language can find the layout in one place
     bucket TM_<job>                cluster state (JetStream key-value)
     bucket TM_<job>_HEALTH         the health-monitor's open incidents
     bucket TM_<job>_EXEC           the executor's migration records
+    object store TM_<job>_RECORDS  live ranks' recordings for standbys' shadow iterations
 
 A key-value bucket B is the stream KV_B holding the subjects $KV.B.<key> (`kv_stream`,
 `kv_subjects`); the bus permissions (trainmover.security.policy) are derived from here.
@@ -135,6 +136,12 @@ class JobSubjects:
     def executor_bucket(self) -> str:
         """The executor's private bucket: one record per migration, for its restarts."""
         return f"TM_{self.job}_EXEC"
+
+    @property
+    def records_bucket(self) -> str:
+        """The object store of recordings a standby's shadow iterations replay (stream
+        OBJ_TM_<job>_RECORDS), when the job keeps them on the bus."""
+        return f"TM_{self.job}_RECORDS"
 
     def buckets(self) -> list[str]:
         """Every key-value bucket of the job."""

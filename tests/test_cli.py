@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,22 @@ def run_cli(*args: str, url: str | None = None, timeout: float = 60) -> subproce
         timeout=timeout,
         env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
     )
+
+
+def status_tables(text: str) -> dict[str, list[list[str]]]:
+    """The tables of `trainmover status` output: title -> rows (header first) of cells
+    (columns are separated by two or more spaces)."""
+    tables: dict[str, list[list[str]]] = {}
+    rows: list[list[str]] | None = None
+    for line in text.splitlines():
+        if not line.strip() or set(line.strip()) == {"─"}:
+            continue
+        if not line.startswith(" "):  # a title at the margin; rows are indented
+            rows = tables.setdefault(line.strip(), []) if not line.startswith("job ") else None
+            continue
+        if rows is not None:
+            rows.append(re.split(r"\s{2,}", line.strip()))
+    return tables
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, text: str) -> None:
@@ -124,10 +141,17 @@ async def test_status_lists_migrations_with_their_phase_and_downtime(nc, job, na
     )
     shown = run_cli("status", job, url=nats_url)
     assert shown.returncode == 0, shown.stderr
-    lines = shown.stdout.splitlines()
-    done = next(line for line in lines if line.startswith("e-drain-m2"))
-    assert "m2 -> s0" in done and "done" in done and "0.125 s" in done
-    assert any(line.startswith("e-fail-m1") and "recovering" in line for line in lines)
+    assert "\x1b[" not in shown.stdout  # no colour codes into a pipe
+    tables = status_tables(shown.stdout)
+    assert list(tables) == ["machines", "standbys", "in flight", "last migrations"]
+    assert tables["machines"][0] == ["machine", "status", "role (dp, pp)", "role type"]
+    assert ["m0", "active", "dp0 pp0", "first"] in tables["machines"]
+    assert ["s0", "standby", "first, last"] in tables["standbys"]
+    # In flight with its phase; ended with its downtime.
+    assert ["e-fail-m1", "-", "m1 -> s1", "recovering", "-", "p2"] in tables["in flight"]
+    assert ["e-drain-m2", "m2 -> s0", "done", "0.125 s", "m2 -> s0 at step 40"] in tables[
+        "last migrations"
+    ]
     as_json = json.loads(run_cli("status", job, "--json", url=nats_url).stdout)
     assert [m["state"] for m in as_json["migrations"]] == ["done", "recovering"]
 

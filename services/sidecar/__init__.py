@@ -14,7 +14,7 @@ import argparse
 import os
 from pathlib import Path
 
-from trainmover.ports import DEFAULT_HTTP_PORTS
+from trainmover.ports import DEFAULT_HTTP_PORTS, RENDEZVOUS_ENV
 from trainmover.service import (
     Service,
     SettingsError,
@@ -24,8 +24,6 @@ from trainmover.service import (
     run_service,
 )
 from trainmover.subjects import InvalidName, check_name
-
-RENDEZVOUS_ENV = "TRAINMOVER_RENDEZVOUS"
 
 
 def main(argv: list[str] | None = None) -> int:

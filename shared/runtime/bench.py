@@ -35,9 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig, load_config
 from trainmover.runtime.driver import LocalJob, MigrationReport, RecoveryReport
 from trainmover.runtime.layout import MachineRole
+from trainmover.runtime.plan import RankRef
 
 CELL = MachineRole(dp=0, pp=0)
 #: (machine, step, point): failures injected at the start of the run, one per standby.
@@ -143,6 +145,84 @@ def vote_costs(job: LocalJob) -> dict[str, float]:
     }
 
 
+def migrate_cell(
+    job: LocalJob,
+    warm_steps: int,
+    margin: int,
+    *,
+    warm: bool,
+    full: bool = False,
+    timeout_s: float | None = None,
+) -> tuple[MigrationReport, int, dict[RankRef, c.Warmed] | None]:
+    """Migrates the machine serving CELL to the first standby after a steady window;
+    with `warm`, the standby runs its shadow iterations first. Returns the report, the
+    first step of the steady window, and the standby's warm-up reports."""
+    # The job is held while the standby starts (its start-up would disturb the step
+    # period), then runs a steady window before the event.
+    job.wait_connected(timeout_s)
+    steady_from = job.current_step() + 2
+    job.set_limit(steady_from + warm_steps + 10 * margin + 50)
+    job.wait_step(steady_from + warm_steps, timeout_s=timeout_s)
+    leaver = next(m for m, cell in job.assignment.items() if cell == CELL)
+    warmed = job.warm(job.standbys[:1], timeout_s=timeout_s) if warm else None
+    report = job.migrate({leaver: job.standbys[0]}, margin=margin, full=full, timeout_s=timeout_s)
+    job.set_limit(max(job.limit, report.commit_step + 2))
+    return report, steady_from, warmed
+
+
+def next_standby(job: LocalJob) -> None:
+    """Holds the job at the next boundary and starts a fresh standby."""
+    job.set_limit(job.current_step() + 1)
+    job.add_standbys(1)
+
+
+def run_compiled(
+    config: JobConfig, repeats: int, margin: int, warm_steps: int, run_dir: Path
+) -> dict[str, Any]:
+    """The joiner's first real iteration with torch.compile (inductor), warmed and cold,
+    alternating, `repeats` of each. Every machine compiles into its own inductor cache,
+    so a cold joiner really is cold (on one host they would share the kernels on disk).
+    DP is 1: compiling costs minutes per rank on a shared CPU, and the compiled graphs of
+    a role do not depend on DP (the gradient all-reduce is outside the model)."""
+    timeout_s = 3600.0
+    config = config.with_updates(
+        layout={"dp": 1},
+        cluster={"machines": []},
+        train={"steps": 1_000_000, "dump_steps": [], "compile": True},
+        # A peer that is compiling is silent for minutes: not a failure here.
+        runtime={"group_timeout_s": timeout_s, "failure_timeout_s": timeout_s},
+    )
+    times: dict[str, list[float]] = {"warm": [], "cold": []}
+    shadow: list[dict[str, dict[str, list[float]]]] = []
+    with LocalJob.launch(
+        config,
+        run_dir,
+        standbys=1,
+        limit=warm_steps,
+        timeout_s=timeout_s,
+        private_compile_caches=True,
+    ) as job:
+        for i in range(2 * repeats):
+            warm = i % 2 == 0
+            report, _, warmed = migrate_cell(
+                job, warm_steps, margin, warm=warm, timeout_s=timeout_s
+            )
+            times["warm" if warm else "cold"].append(first_iterations(job, report))
+            if warmed:
+                # Per rank and role type; the first iteration of a type compiles.
+                shadow.append({str(r): w.iteration_s for r, w in warmed.items()})
+            if i + 1 < 2 * repeats:
+                next_standby(job)
+        job.stop_at(job.limit)
+    return {
+        "layout": config.layout.model_dump(),
+        "backend": "inductor",
+        "repeats": repeats,
+        "first_iteration_s": times,
+        "shadow_iteration_s": shadow,
+    }
+
+
 def run(config: JobConfig, repeats: int, margin: int, warm_steps: int, run_dir: Path) -> dict:
     migrations: list[dict[str, Any]] = []
     first_iteration: dict[str, list[float]] = {"warm": [], "cold": []}
@@ -164,20 +244,10 @@ def run(config: JobConfig, repeats: int, margin: int, warm_steps: int, run_dir: 
         agreement = vote_costs(job)
         job.add_standbys(1)
         for i, full in enumerate(modes):
-            # The job is held while the next standby starts (its start-up would disturb
-            # the step period), then runs a steady window before the event.
-            job.wait_connected()
-            steady_from = job.current_step() + 2
-            job.set_limit(steady_from + warm_steps + 10 * margin + 50)
-            job.wait_step(steady_from + warm_steps)
-            leaver = next(m for m, cell in job.assignment.items() if cell == CELL)
             # Delta migrations alternate a warm joiner (shadow iterations first) and a
             # cold one; the joiner's first real iteration is compared between the two.
             warm = not full and (i // 2) % 2 == 0
-            if warm:
-                job.warm(job.standbys[:1])
-            report = job.migrate({leaver: job.standbys[0]}, margin=margin, full=full)
-            job.set_limit(max(job.limit, report.commit_step + 2))
+            report, steady_from, _ = migrate_cell(job, warm_steps, margin, warm=warm, full=full)
             row = measure(job, report, steady_from, report.commit_step)
             row["joiner_first_iteration_s"] = first_iterations(job, report)
             row["warm_joiner"] = warm
@@ -185,8 +255,7 @@ def run(config: JobConfig, repeats: int, margin: int, warm_steps: int, run_dir: 
             if not full:
                 first_iteration["warm" if warm else "cold"].append(row["joiner_first_iteration_s"])
             if i + 1 < len(modes):
-                job.set_limit(job.current_step() + 1)
-                job.add_standbys(1)
+                next_standby(job)
         job.stop_at(job.limit)
         record_bytes = job.run_dir.joinpath("records")
         records = {p.name: p.stat().st_size for p in record_bytes.iterdir()}
@@ -216,13 +285,15 @@ def run(config: JobConfig, repeats: int, margin: int, warm_steps: int, run_dir: 
                     p: med(f["phases_s"][p] for f in failures) for p in failures[0]["phases_s"]
                 },
             },
-            "joiner_first_iteration_s": {
-                k: med(v) if v else None for k, v in first_iteration.items()
-            },
+            "joiner_first_iteration_s": {"eager": medians(first_iteration)},
             "commit_agreement": agreement,
             "record_store_bytes": sum(records.values()),
         },
     }
+
+
+def medians(samples: dict[str, list[float]]) -> dict[str, float | None]:
+    return {k: statistics.median(v) if v else None for k, v in samples.items()}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -245,10 +316,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margin", type=int, default=3, help="commit step = furthest + margin")
     parser.add_argument("--warm-steps", type=int, default=10, help="steady steps before each")
     parser.add_argument("--run-dir", type=Path, help="logs and states (default: a temp dir)")
+    parser.add_argument(
+        "--compile-repeats",
+        type=int,
+        default=1,
+        help="warm and cold joiners each with torch.compile (0: skip; minutes each on CPU)",
+    )
+    parser.add_argument(
+        "--skip-eager", action="store_true", help="only the torch.compile first iterations"
+    )
     args = parser.parse_args(argv)
     config = load_config(args.config) if args.config else JobConfig(job="bench")
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-bench-"))
-    result = run(config, args.repeats, args.margin, args.warm_steps, run_dir)
+    result: dict[str, Any] = {"benchmark": "migration", "summary": {}}
+    if not args.skip_eager:
+        result = run(config, args.repeats, args.margin, args.warm_steps, run_dir / "eager")
+    if args.compile_repeats:
+        compiled = run_compiled(
+            config, args.compile_repeats, args.margin, args.warm_steps, run_dir / "compile"
+        )
+        result["compiled"] = compiled
+        first = result["summary"].setdefault("joiner_first_iteration_s", {})
+        first["compile"] = medians(compiled["first_iteration_s"])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(json.dumps(result["summary"], indent=2))

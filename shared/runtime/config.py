@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainmover.runtime.layout import Layout
+
+#: URL schemes of `runtime.record_store` that name a NATS server.
+NATS_SCHEMES = ("nats://", "tls://")
 
 
 class ModelConfig(BaseModel):
@@ -74,8 +77,22 @@ class RuntimeConfig(BaseModel):
     #: The step during which one live rank per role type records what it receives,
     #: for standbys' shadow iterations (0: never record).
     record_step: int = Field(default=1, ge=0)
-    #: Record store directory (default: <run_dir>/records).
+    #: Record store directory (default: <run_dir>/records), when `record_store` is empty.
     record_dir: str = ""
+    #: A NATS URL (nats://host:port, comma-separated for a cluster) to keep recordings in
+    #: the job's JetStream object store TM_<job>_RECORDS instead of a directory: a
+    #: standby then replays them with no storage shared with the live ranks.
+    record_store: str = ""
+
+    @field_validator("record_store")
+    @classmethod
+    def _record_store_url(cls, value: str) -> str:
+        if value and not value.startswith(NATS_SCHEMES):
+            raise ValueError(
+                f"record_store {value!r}: a nats:// or tls:// URL, or empty for the "
+                "directory record_dir"
+            )
+        return value
 
 
 class ClusterConfig(BaseModel):

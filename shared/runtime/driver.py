@@ -83,9 +83,14 @@ class LocalJob:
         store_address: str | None = None,
         timeout_s: float = 120.0,
         extra_env: dict[str, str] | None = None,
+        private_compile_caches: bool = False,
     ):
         self.config = config
         self.extra_env = extra_env or {}
+        #: Each machine compiles into its own inductor cache (as separate hosts do);
+        #: otherwise all share this host's, and a standby would find the kernels its
+        #: live peers compiled on disk (no cold joiner to measure).
+        self.private_compile_caches = private_compile_caches
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.entry = entry
@@ -143,6 +148,9 @@ class LocalJob:
 
     def _spawn_machine(self, machine: str) -> None:
         group = 0  # a new process group per machine: it dies (or is killed) as a whole
+        env = dict(self.extra_env)
+        if self.private_compile_caches:
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(self.run_dir / "machines" / machine / "inductor")
         for local_rank in range(self.layout.ranks_per_machine):
             ref = RankRef(machine=machine, local_rank=local_rank)
             proc = spawn_worker(
@@ -151,7 +159,7 @@ class LocalJob:
                 self.control.address,
                 self._config_path,
                 self.run_dir,
-                self.extra_env,
+                env,
                 process_group=group,
             )
             group = group or proc.pid

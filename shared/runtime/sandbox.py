@@ -15,8 +15,8 @@ Communication inside the sandbox may run for real: the standby machine's own ran
 their TP group over a `FileStore` in a machine-local directory, so there is no network
 path to the live job (no rendezvous store, no address of any live rank).
 
-Recordings live in a pluggable `RecordStore` (a directory here; the interface is two
-calls, so an object store such as NATS's fits). Only one rank per role type records (replica 0,
+Recordings live in a pluggable `RecordStore`: a directory here, or the job's NATS object
+store (`trainmover.runtime.records`). Only one rank per role type records (replica 0,
 TP rank 0, the first stage of its type): pipeline tensors are replicated across TP, so
 the other roles would store duplicates.
 """
@@ -47,6 +47,8 @@ class RecordStore(Protocol):
 
     def size_bytes(self) -> int: ...
 
+    def close(self) -> None: ...
+
 
 class DirectoryRecordStore:
     """Records as files of a directory (shared storage, or copied to the standby)."""
@@ -68,6 +70,9 @@ class DirectoryRecordStore:
         if not self.root.is_dir():
             return 0
         return sum(p.stat().st_size for p in self.root.iterdir() if not p.name.startswith("."))
+
+    def close(self) -> None:
+        return None
 
 
 def record_key(role_type: str) -> str:

@@ -56,7 +56,8 @@ from trainmover.runtime.groups import (
 )
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan, RankRef
-from trainmover.runtime.sandbox import DirectoryRecordStore, Recorder
+from trainmover.runtime.records import open_record_store
+from trainmover.runtime.sandbox import Recorder
 from trainmover.runtime.shadow import ShadowFn, run_shadow
 from trainmover.runtime.state import Stateful, TrainingState
 from trainmover.runtime.steptime import WAITS, StepTimer
@@ -146,9 +147,7 @@ class Runtime:
         self._warm_queue: list[c.Warm] = []
         self._warm_rounds = 0
         self._recorder: Recorder | None = None
-        self.records = DirectoryRecordStore(
-            Path(config.runtime.record_dir) if config.runtime.record_dir else run_dir / "records"
-        )
+        self.records = open_record_store(config, run_dir, f"worker.{machine}.{local_rank}")
         self.checkpoint_root = (
             Path(config.runtime.checkpoint_dir)
             if config.runtime.checkpoint_dir
@@ -382,7 +381,11 @@ class Runtime:
         self.groups["pp"].tap = None
         if committed is not None and self.role is not None:
             role_type = self.config.layout.role_type(self.role.pp)
-            size = recorder.save(self.records, role_type)
+            try:
+                size = recorder.save(self.records, role_type)
+            except Exception:  # standbys then synthesise; training must not stop for it
+                self.log.exception("record_failed", role_type=role_type, step=committed)
+                return
             self.log.info("recorded", role_type=role_type, bytes=size, step=committed)
 
     def _maybe_checkpoint(self, step: int) -> None:
@@ -445,6 +448,7 @@ class Runtime:
         for builder in self._builders:
             if builder.discarded and not builder.settle(self._timeout_s):
                 self.log.warning("abandoned_build_still_running", groups=len(builder.specs))
+        self.records.close()
         step = self._state.step if self._state else 0
         self.log.info("exit", reason=reason, step=step, error=error or None)
         if not self._conn.closed.is_set():

@@ -67,7 +67,12 @@ def test_health_metric_names_are_the_registered_ones() -> None:
 
 
 def test_every_metric_name_is_unique_and_prefixed() -> None:
-    names = [*metric_names.HEALTH, *metric_names.PLANNER, *metric_names.EXECUTOR]
+    names = [
+        *metric_names.HEALTH,
+        *metric_names.PLANNER,
+        *metric_names.EXECUTOR,
+        *metric_names.RENDEZVOUS,
+    ]
     assert len(names) == len(set(names)) == len(metric_names.ALL)
     assert all(n.startswith("trainmover_") for n in names)
 

@@ -32,7 +32,7 @@ def test_dockerfile_matches_the_code() -> None:
     assert [v for k, v in ins if k == "ARG"] == ["TORCH_VERSION=2.13.0"]
     assert any(k == "FROM" and v.startswith("python:3.11") for k, v in ins)
     exposed = {int(p) for k, v in ins if k == "EXPOSE" for p in v.split()}
-    assert exposed == set(ports.DEFAULT_HTTP_PORTS.values())
+    assert exposed == {*ports.DEFAULT_HTTP_PORTS.values(), ports.RENDEZVOUS_PORT}
     (user,) = [v for k, v in ins if k == "USER"]
     uid, _, gid = user.partition(":")
     assert uid.isdigit() and int(uid) > 0 and gid.isdigit()

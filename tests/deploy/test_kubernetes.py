@@ -34,6 +34,7 @@ COVERS = [
     "kubernetes/executor.yaml",
     "kubernetes/training.yaml",
     "kubernetes/monitoring.yaml",
+    "kubernetes/rendezvous.yaml",
 ]
 
 NAMESPACE = "trainmover"
@@ -205,7 +206,7 @@ def test_service_monitor_scrapes_every_trainmover_service() -> None:
         s for s in of_kind("Service") if selector.items() <= s["metadata"]["labels"].items()
     ]
     names = {s["metadata"]["name"] for s in selected}
-    assert names == {f"trainmover-{s}" for s in SERVICES} | {"trainmover-machines"}
+    assert names == {f"trainmover-{s}" for s in (*SERVICES, "rendezvous")} | {"trainmover-machines"}
     for svc in selected:
         assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
     # The same relabelling as the plain scrape config: `job` of a sample -> trainmover_job.
@@ -227,5 +228,44 @@ def test_files_parse_as_the_kinds_they_hold() -> None:
     assert kinds["job-config.yaml"] == ["ConfigMap"]
     assert kinds["training.yaml"] == ["Service", "StatefulSet", "StatefulSet"]
     assert kinds["monitoring.yaml"] == ["ServiceMonitor", "PrometheusRule"]
-    for service in SERVICES:
+    for service in (*SERVICES, "rendezvous"):
         assert kinds[f"{service}.yaml"] == ["Deployment", "Service"]
+
+
+RENDEZVOUS_SERVICE = "trainmover-rendezvous"
+
+
+def test_rendezvous_deployment_serves_the_store_off_the_training_pods() -> None:
+    deployment = find("Deployment", RENDEZVOUS_SERVICE)
+    # One store per job, never two: a second replica would split the job's groups.
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    c = container(deployment, "rendezvous")
+    assert c["image"] == ports.IMAGE
+    command = check_command(["trainmover", *c["args"]])
+    assert command.service == "rendezvous"
+    store_port = int(command.flags["--store-port"] or 0)
+    assert store_port == ports.RENDEZVOUS_PORT == named_port(c, "store")
+    assert named_port(c, "http") == command.http_port
+    # Reachable from other pods: both listeners on every address of the pod.
+    assert command.flags["--store-host"] == command.flags["--http-host"] == "0.0.0.0"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": ports.HEALTH_PATH, "port": "http"}
+    assert "env" not in c  # no bus credentials: it does not use the bus
+
+    svc = find("Service", RENDEZVOUS_SERVICE)
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    by_name = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert by_name["store"]["port"] == ports.RENDEZVOUS_PORT
+    assert by_name["http"]["port"] == ports.DEFAULT_HTTP_PORTS["rendezvous"]
+    assert {p["targetPort"] for p in by_name.values()} == {"store", "http"}
+
+
+def test_every_sidecar_points_at_the_rendezvous_service() -> None:
+    svc = find("Service", RENDEZVOUS_SERVICE)
+    store = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "store")
+    for sts in of_kind("StatefulSet"):
+        command = check_command(["trainmover", *container(sts, "sidecar")["args"]])
+        # The Service's name in the pods' own namespace, and its store port.
+        assert command.flags["--rendezvous"] == f"{RENDEZVOUS_SERVICE}:{store}"

@@ -33,7 +33,9 @@ printf '%s\\n' "$*" >> "$SRUN_LOG"
 """
 
 
-def run_script(tmp_path: Path, nodes: list[str], standbys: int) -> subprocess.CompletedProcess[str]:
+def run_script(
+    tmp_path: Path, nodes: list[str], standbys: int, rendezvous: str = ""
+) -> subprocess.CompletedProcess[str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
@@ -53,6 +55,9 @@ def run_script(tmp_path: Path, nodes: list[str], standbys: int) -> subprocess.Co
         "TRAINMOVER_PYTHON": sys.executable,
         "TRAINMOVER_SD_FILE": str(tmp_path / "sd.json"),
     }
+    env.pop(ports.RENDEZVOUS_ENV, None)
+    if rendezvous:
+        env[ports.RENDEZVOUS_ENV] = rendezvous
     return subprocess.run(
         ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60
     )
@@ -65,6 +70,13 @@ def test_a_sidecar_per_node_and_the_last_nodes_standby(tmp_path: Path) -> None:
     # The steps run in the background, so they are recorded in any order.
     steps = [shlex.split(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
     by_node = {}
+    # The rendezvous store: a second step on the first node, the sidecars' --rendezvous.
+    (store_step,) = [step for step in steps if "rendezvous" in step[step.index("trainmover") :]]
+    steps.remove(store_step)
+    assert "--overlap" in store_step and f"--nodelist={nodes[0]}" in store_step
+    store = check_command(store_step[store_step.index("trainmover") :])
+    assert store.flags["--store-port"] == str(ports.RENDEZVOUS_PORT)
+    assert store.flags["--store-host"] == "0.0.0.0"
     for step in steps:
         (where,) = [a for a in step if a.startswith("--nodelist=")]
         by_node[where.removeprefix("--nodelist=")] = step
@@ -78,6 +90,7 @@ def test_a_sidecar_per_node_and_the_last_nodes_standby(tmp_path: Path) -> None:
         command = check_command(step[step.index("trainmover") :])
         assert command.service == "sidecar"
         assert command.flags["--machine"] == node
+        assert command.flags["--rendezvous"] == f"{nodes[0]}:{ports.RENDEZVOUS_PORT}"
         assert command.flags["--job-config"].endswith("job.yaml")  # type: ignore[union-attr]
         # The URL (it may carry credentials) travels in the environment, not on `ps`.
         assert "--nats-url" not in command.flags
@@ -92,6 +105,18 @@ def test_a_sidecar_per_node_and_the_last_nodes_standby(tmp_path: Path) -> None:
         [f"{n}:{port}" for n in nodes[3:]],
     ]
     assert [g["labels"]["trainmover_pool"] for g in sd] == ["train", "standby"]
+
+
+def test_a_rendezvous_store_off_the_allocation_is_used_as_given(tmp_path: Path) -> None:
+    nodes = ["gpu-01", "gpu-02", "gpu-03", "gpu-04"]
+    run = run_script(tmp_path, nodes, standbys=1, rendezvous="ctl-1:29400")
+    assert run.returncode == 0, run.stderr
+    steps = [shlex.split(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
+    assert len(steps) == len(nodes)  # sidecars only: no store started
+    for step in steps:
+        command = check_command(step[step.index("trainmover") :])
+        assert command.service == "sidecar"
+        assert command.flags["--rendezvous"] == "ctl-1:29400"
 
 
 def test_an_allocation_that_does_not_fit_the_layout_is_refused(tmp_path: Path) -> None:

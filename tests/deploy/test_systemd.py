@@ -21,6 +21,7 @@ COVERS = [
     "systemd/trainmover-executor.service",
     "systemd/trainmover-sidecar.service",
     "systemd/trainmover-sidecar-standby.service",
+    "systemd/trainmover-rendezvous.service",
     "systemd/trainmover.env",
 ]
 
@@ -49,7 +50,7 @@ def env_file() -> dict[str, str]:
 
 def test_every_service_has_a_unit() -> None:
     assert UNITS == sorted(
-        [f"trainmover-{s}.service" for s in ("health-monitor", "planner", "executor")]
+        [f"trainmover-{s}.service" for s in ("health-monitor", "planner", "executor", "rendezvous")]
         + ["trainmover-sidecar.service", "trainmover-sidecar-standby.service"]
     )
 
@@ -72,6 +73,11 @@ def test_exec_start_is_a_contract_command(name: str) -> None:
         name
         == f"trainmover-{command.service}{'-standby' if '--standby' in command.flags else ''}.service"
     )
+    if command.service == "rendezvous":
+        # Off the bus; reachable from the sidecars' machines on the contract's port.
+        assert command.flags["--store-port"] == str(ports.RENDEZVOUS_PORT)
+        assert command.flags["--store-host"] == command.flags["--http-host"] == "0.0.0.0"
+        return
     assert command.flags["--job-config"] == "/etc/trainmover/job.yaml"
     if command.service == "sidecar":
         assert command.flags["--machine"] == "%l"  # the short hostname
@@ -90,6 +96,9 @@ def test_env_file_sets_what_the_services_read() -> None:
     assert all(f":{ports.NATS_CLIENT_PORT}" in u for u in env[ports.NATS_URL_ENV].split(","))
     assert ports.WEBHOOK_TOKEN_ENV in env
     assert "TRAINMOVER_SIDECAR_FLAGS" in env
+    # The sidecars' rendezvous store: the rendezvous unit's port.
+    host, _, port = env[ports.RENDEZVOUS_ENV].rpartition(":")
+    assert host and port == str(ports.RENDEZVOUS_PORT)
 
 
 def test_systemd_accepts_the_units(tmp_path: Path) -> None:

@@ -1,0 +1,105 @@
+"""`trainmover service rendezvous` as deploy/ runs it: a real process hosting the store,
+two real torch processes that build a gloo group through it and all-reduce, its
+/healthz and /metrics, a clean stop, and clear errors on bad flags."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.integration.programs import Program, http, poll
+from trainmover import metric_names, ports
+
+# Each rank: connect to the service's store as a client (never the server), build a
+# gloo group of 2 under a prefix, all-reduce its rank + 1, print the sum.
+RANK = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+host, port = sys.argv[1].rsplit(":", 1)
+rank = int(sys.argv[2])
+store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=300))
+group = dist.ProcessGroupGloo(dist.PrefixStore("job/tp/g0/", store), rank, 2,
+                              timedelta(seconds=300))
+t = torch.tensor([rank + 1.0])
+group.allreduce([t]).wait()
+print(int(t.item()))
+"""
+
+
+def run_ranks(address: str) -> list[tuple[int, str, str]]:
+    """Both ranks at once (each waits for the other in the store): (code, out, err)."""
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, address, str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [r.communicate(timeout=300) for r in ranks]
+    return [(r.returncode, out, err) for r, (out, err) in zip(ranks, outputs, strict=True)]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "trainmover.cli", "--log-format", "json", *args]
+
+
+async def test_two_torch_processes_rendezvous_through_the_service(tmp_path: Path) -> None:
+    port_file = tmp_path / "http.port"
+    argv = _cli(
+        "service", "rendezvous", "--store-port", "0", "--http-port", "0",
+        "--port-file", str(port_file),
+    )  # fmt: skip
+    service = Program("rendezvous", argv, tmp_path).start()
+    try:
+
+        def healthy() -> dict | None:
+            service.check_alive()
+            if not port_file.exists() or not port_file.read_text().strip():
+                return None
+            status, body = http("GET", f"http://127.0.0.1:{int(port_file.read_text())}/healthz")
+            return json.loads(body) if status == 200 else None
+
+        health = await poll(healthy, "the rendezvous service to be healthy", timeout=120)
+        address = f"127.0.0.1:{health['store_port']}"
+        assert health["store"] == address and health["keys"] == 0
+
+        for code, out, err in await asyncio.to_thread(run_ranks, address):
+            assert code == 0, err
+            assert out.strip() == "3"  # 1 + 2: both ranks met in one group
+
+        after = await poll(healthy, "health after the rendezvous")
+        assert after["keys"] > 0  # the group's keys live in the service's store
+        http_port = int(port_file.read_text())
+        status, metrics = http("GET", f"http://127.0.0.1:{http_port}{ports.METRICS_PATH}")
+        assert status == 200
+        assert f"{metric_names.RENDEZVOUS_KEYS} {after['keys']}" in metrics.decode()
+    finally:
+        # A clean stop on SIGTERM; tearing torch down can take tens of seconds on a
+        # loaded host, so the wait is generous (Program.stop kills after 10 s).
+        assert service.proc is not None
+        service.proc.send_signal(signal.SIGTERM)
+        code = service.wait(180)
+    assert code == 0, service.log_tail()
+
+
+def test_bad_flags_are_one_line_errors() -> None:
+    run = subprocess.run(
+        _cli("service", "rendezvous", "--store-port", "70000"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip() == "rendezvous: error: --store-port 70000: not a port"
+    # No bus needed: no --nats-url, no $TRAINMOVER_NATS_URL, and --help works.
+    helped = subprocess.run(
+        _cli("service", "rendezvous", "--help"), capture_output=True, text=True, timeout=60
+    )
+    assert helped.returncode == 0 and "--store-port" in helped.stdout
