@@ -476,7 +476,7 @@ class Runtime:
                 return False
 
     def _maybe_dump(self, step: int) -> None:
-        if step in self.config.train.dump_steps and self._state and self.role:
+        if self.config.train.dumps_at(step) and self._state and self.role:
             path = self.run_dir / "state" / f"{self.role.key}.step{step}.pt"
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
