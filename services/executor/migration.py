@@ -92,7 +92,10 @@ class Migration:
         *,
         margin: int = 2,
         timeout_s: float = 120.0,
-        attempt_s: float = 30.0,
+        # Short attempts: a command lost with its connection (a nats-server restart) is
+        # sent again soon, and a retry of a long-running command only waits for the same
+        # run (sidecars answer by command id), so retrying often costs nothing.
+        attempt_s: float = 5.0,
     ) -> None:
         self._nc = nc
         self.record = record

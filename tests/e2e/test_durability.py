@@ -55,6 +55,10 @@ async def _reaches(cluster: Cluster, event_id: str, state: str) -> None:
 async def test_server_restart_mid_migration_loses_nothing(cluster: Cluster, reference) -> None:
     subjects = JobSubjects(cluster.job)
     await cluster.wait_step("m1", 10, WAIT_S)
+    # Both standbys warm, so both drains are planned at once, well before the last step.
+    await cluster.wait_state(
+        lambda s: all(s.machines[m].warm_role_types for m in ("s0", "s1")), WAIT_S
+    )
     first = await cluster.client.drain(cluster.job, "m1", reason="before the crash")
     await asyncio.wait_for(_reaches(cluster, first, "phase1"), WAIT_S)
     # A second drain (m2 shares no group with m1) is acked by the bus, and the server
