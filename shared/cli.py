@@ -190,7 +190,9 @@ def _chaos(args: argparse.Namespace) -> int:
             workdir=Path(args.workdir) if args.workdir else None,
             recovery_timeout_s=args.recovery_timeout,
             dump_every=args.dump_every,
+            standbys=args.standbys,
             reference=not args.no_reference,
+            in_order=args.in_order,
         )
     except ValueError as err:
         raise CliError(str(err)) from None
@@ -292,6 +294,10 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--workdir", help="where runs and logs go (default: temporary)")
     ch.add_argument("--recovery-timeout", type=float, default=300.0, metavar="SECONDS")
     ch.add_argument("--dump-every", type=int, default=20, help="steps between state dumps")
+    ch.add_argument("--standbys", type=int, default=2, help="standby machines of the job")
+    ch.add_argument(
+        "--in-order", action="store_true", help="take --kinds in order instead of at random"
+    )
     ch.add_argument("--no-reference", action="store_true", help="skip the reference run")
     ch.add_argument("--json", metavar="FILE", help="write the report as JSON")
 

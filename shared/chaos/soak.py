@@ -53,7 +53,12 @@ class SoakSettings:
     workdir: Path | None = None
     recovery_timeout_s: float = 300.0
     dump_every: int = 20
+    #: Standby machines: every fault but a server restart takes one from the pool until
+    #: its machine is back and warm, so more standbys allow more faults per minute.
+    standbys: int = 2
     reference: bool = True
+    #: Take `kinds` in their order, round and round, instead of at random.
+    in_order: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - set(FAULT_KINDS)
@@ -63,6 +68,8 @@ class SoakSettings:
             )
         if self.duration_s <= 0 or self.max_faults < 1 or self.dump_every < 1:
             raise ValueError("duration, max faults and dump interval must be positive")
+        if self.standbys < 1:
+            raise ValueError("the soak needs at least one standby")
 
 
 @dataclass
@@ -130,12 +137,12 @@ def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def soak_config(dump_every: int) -> JobConfig:
+def soak_config(dump_every: int, standbys: int = 2) -> JobConfig:
     """The soak's job: the end-to-end job, training until stopped, dumping regularly."""
     return JobConfig(job="chaos").with_updates(
         train={"steps": ENDLESS, "dump_every": dump_every},
         runtime={"group_timeout_s": 60, "failure_timeout_s": 60},
-        cluster={"standbys": ["s0", "s1"], "maintenance_s": 1.0},
+        cluster={"standbys": [f"s{i}" for i in range(standbys)], "maintenance_s": 1.0},
     )
 
 
@@ -156,7 +163,7 @@ class Soak:
         self.seed = settings.seed if settings.seed is not None else random.randrange(2**31)
         self.rng = random.Random(self.seed)
         self.workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="trainmover-chaos-"))
-        self.config = soak_config(settings.dump_every)
+        self.config = soak_config(settings.dump_every, settings.standbys)
         self.report = SoakReport(
             seed=self.seed,
             settings={k: v for k, v in asdict(settings).items() if k != "workdir"},
@@ -195,7 +202,9 @@ class Soak:
         obs = ctx.observer
         say("waiting for the job to train and the standbys to warm up")
         await obs.until(
-            lambda: self._pool_ready(ctx, 2), self.s.recovery_timeout_s, "a warm standby pool"
+            lambda: self._pool_ready(ctx, self.s.standbys),
+            self.s.recovery_timeout_s,
+            "a warm standby pool",
         )
         await obs.until(self._trains_from(obs, 5), self.s.recovery_timeout_s, "step 5")
         # The soak's wall time counts from the first fault, not from the cluster's start.
@@ -203,7 +212,10 @@ class Soak:
         say(f"training at step {obs.job_step}; injecting faults")
         index = 0
         while index < self.s.max_faults and time.monotonic() - first < self.s.duration_s:
-            kind = self.rng.choice(self.s.kinds)
+            if self.s.in_order:
+                kind = self.s.kinds[index % len(self.s.kinds)]
+            else:
+                kind = self.rng.choice(self.s.kinds)
             if kind in NEEDS_STANDBY:
                 await obs.until(
                     lambda: self._pool_ready(ctx, 1), self.s.recovery_timeout_s, "a warm standby"
