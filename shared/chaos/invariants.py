@@ -56,8 +56,8 @@ def check_replicas(config: JobConfig, run_dir: Path, step: int) -> list[str]:
         first = load_saved(paths[0])
         if first["header"]["step"] != step:
             out.append(f"step {step}: {role} saved step {first['header']['step']}")
-        for other in paths[1:]:
-            diff = _differences(first["tensors"], load_saved(other)["tensors"])
+        for again in paths[1:]:
+            diff = _differences(first["tensors"], load_saved(again)["tensors"])
             if diff:
                 out.append(f"step {step}: {role} saved twice, differently: {diff[:3]}")
         states[role] = first

@@ -140,12 +140,12 @@ class Observer:
         """Re-evaluates `check` on every observed message until it returns a value other
         than None (or False); raises TimeoutError naming `what`."""
         deadline = time.monotonic() + timeout_s
+        last: BaseException | None = None
         while True:
             try:
                 result = await check()
             except TRANSIENT as err:
                 result, last = None, err  # the bus or the planner may be restarting
-
             else:
                 last = None
             if result is not None and result is not False:
