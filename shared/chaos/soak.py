@@ -11,8 +11,9 @@ machines gone from the layout, killed machines restarted as fresh standbys) and 
 - standbys are accounted for (check_accounting, once the planner's view and the
   sidecars' heartbeats agree, within a deadline).
 
-At the end it stops at a dump step F that every role saved, runs the same job and seed
-uninterrupted for F steps, and compares every common dump step bit for bit. The summary
+At the end it stops at a dump step F that every role saved and compares every common
+dump step bit for bit with the same job and seed trained uninterrupted alongside the
+soak (a `LocalJob` started with it, waited for until it passed F). The summary
 gives faults injected and recovered, downtime per fault kind (training time lost in the
 fault's window, and the executor's migration downtimes), and invariant violations.
 """
@@ -179,6 +180,25 @@ class Soak:
             f"chaos soak: seed {self.seed}, {self.s.duration_s:.0f}s, at most "
             f"{self.s.max_faults} faults of {', '.join(self.s.kinds)}; workdir {self.workdir}"
         )
+        # The uninterrupted reference trains alongside the soak (the same job and seed,
+        # until told where to stop), so the comparison at the end does not wait for a
+        # whole second run.
+        reference = None
+        if self.s.reference:
+            reference = await asyncio.to_thread(
+                LocalJob.launch, self.config, self.workdir / "reference", standbys=0, timeout_s=600
+            )
+        try:
+            await self._soak_cluster(t0)
+            if reference is not None and self.report.final_step:
+                await self._compare_reference(reference)
+        finally:
+            if reference is not None:
+                await asyncio.to_thread(reference.close)
+        self.report.wall_s = time.monotonic() - t0
+        return self.report
+
+    async def _soak_cluster(self, t0: float) -> None:
         cluster = LocalCluster(self.config, self.workdir / "soak", service_args=SOAK_SIGNALS)
         async with cluster:
             observer = await Observer(cluster).start()
@@ -191,10 +211,6 @@ class Soak:
                 self.report.violations.append(f"soak aborted: {type(err).__name__}: {err}")
             finally:
                 await observer.stop()
-        if self.s.reference and self.report.final_step:
-            await self._compare_reference()
-        self.report.wall_s = time.monotonic() - t0
-        return self.report
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -381,18 +397,18 @@ class Soak:
         self.report.final_step = final
         say(f"final dump step {final}")
 
-    async def _compare_reference(self) -> None:
+    async def _compare_reference(self, reference: LocalJob) -> None:
         final = self.report.final_step
         assert final is not None
-        say(f"running the uninterrupted reference for {final} steps")
-        config = self.config.with_updates(train={"steps": final})
+        say(f"waiting for the uninterrupted reference to reach step {final}")
         ref_dir = self.workdir / "reference"
 
-        def run() -> None:
-            with LocalJob.launch(config, ref_dir, standbys=0, timeout_s=600) as job:
-                job.finish(max(600.0, final * 2.0))
+        def reach() -> None:
+            # Step final + 1 done: every rank passed the boundary after `final` (its dump).
+            reference.set_limit(max(reference.limit, final + 1))
+            reference.wait_step(final + 1, timeout_s=max(600.0, final * 2.0))
 
-        await asyncio.to_thread(run)
+        await asyncio.to_thread(reach)
         steps = sorted(
             s
             for s in range(self.s.dump_every, final + 1, self.s.dump_every)
