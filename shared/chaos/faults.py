@@ -111,7 +111,9 @@ Inject = Callable[[FaultContext], Awaitable[Injection]]
 async def worker_kill(ctx: FaultContext) -> Injection:
     target = await ctx.pick_active()
     status = await ctx.command(target, "status")
-    pids = [w["pid"] for w in status["workers"] if w["state"] == "running"]  # type: ignore[attr-defined, index]
+    # Any live worker: a machine that joined in a migration reports its workers by their
+    # launch state, not "running".
+    pids = [w["pid"] for w in status["workers"] if w["state"] != "exited"]  # type: ignore[attr-defined, index]
     pid = int(ctx.rng.choice(pids))
     os.kill(pid, signal.SIGKILL)
     return Injection("worker_kill", target, f"SIGKILL worker pid {pid}", {target}, {target})
