@@ -113,12 +113,12 @@ async def kill(cluster: LocalCluster, machine: str) -> MigrationRow:
     cluster.stack.kill_machine(machine)
     state = await cluster.wait_state(
         lambda s: (
-            any(p.moves[0].leaver == machine for p in s.in_flight.values())
+            any(machine in p.leavers() for p in s.in_flight.values())
             or s.revision > before.revision + 50
         ),
         WAIT_S,
     )
-    plan = next(p for p in state.in_flight.values() if p.moves[0].leaver == machine)
+    plan = next(p for p in state.in_flight.values() if machine in p.leavers())
     return await _migration(cluster, "failure", plan.event_id)
 
 

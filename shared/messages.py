@@ -195,13 +195,18 @@ class Plan(SwitchPlan, Message):
     transfer pairs) is the runtime's `SwitchPlan`, so what a worker executes is exactly
     what the planner published. `state_sources` maps each leaver to the machine its
     joiner gets state from: the leaver itself (planned) or a data-parallel replica
-    (unplanned); empty for a checkpoint restart.
+    (unplanned); empty for a checkpoint restart. A recovery that superseded others (a
+    failure during a recovery) also ends their failure events, `merged_events`.
     """
 
     kind: Literal["plan"] = "plan"
     event_id: str = Field(min_length=1, max_length=128)
     migration: PlanKind
     state_sources: dict[str, str] = Field(default_factory=dict)
+    merged_events: dict[str, str] = Field(
+        default_factory=dict,
+        description="earlier failure event id -> its machine, recovered by this plan too",
+    )
     switch_step: int | None = Field(default=None, ge=0)
     deadline_ts: float | None = None
     ts: float = Field(default_factory=now)
@@ -275,6 +280,10 @@ class MigrationProgress(Message):
     detail: str = Field(default="", max_length=4096)
     leaver: Name | None = None
     joiner: Name | None = None
+    moves: dict[Name, Name] = Field(
+        default_factory=dict,
+        description="every leaver -> joiner of the plan (leaver/joiner name the first)",
+    )
     downtime_s: float | None = None
     phases: dict[str, float] = Field(default_factory=dict)
     groups_rebuilt: list[str] = Field(
@@ -340,6 +349,10 @@ class ClusterState(Message):
         default_factory=dict, description="recent event_id -> outcome or plan_id"
     )
     generations: dict[str, int] = Field(default_factory=dict)
+    claimed_generations: dict[str, int] = Field(
+        default_factory=dict,
+        description="group -> highest generation a cancelled plan claimed (never reused)",
+    )
     cooldown_until: dict[str, float] = Field(default_factory=dict)
     outbox: list[OutboxEntry] = Field(default_factory=list)
     revision: int = 0

@@ -45,7 +45,11 @@ from trainmover.messages import (
 
 log = get_logger("executor")
 
-Step = Literal["phase1", "committing", "recovering", "transferring", "releasing", "done", "failed"]
+Step = Literal[
+    "phase1", "committing", "recovering", "transferring", "releasing", "done", "failed", "withdrawn"
+]
+"""`withdrawn`: the planner cancelled the plan (a recovery superseded it); nothing more
+is sent for it and no progress is published (the planner reported the event's fate)."""
 
 
 class MigrationRecord(Message):
@@ -111,12 +115,21 @@ class Migration:
         return self.record.plan
 
     @property
+    def moves(self) -> dict[str, str]:
+        """leaver -> joiner, for every move of the plan."""
+        return {m.leaver: m.joiner for m in self.plan.moves}
+
+    @property
     def leaver(self) -> str:
-        return self.plan.moves[0].leaver
+        """The first leaver (by name): what a one-move reader of the progress sees."""
+        return min(self.moves)
 
     @property
     def joiner(self) -> str:
-        return self.plan.moves[0].joiner
+        return self.moves[self.leaver]
+
+    def _together(self) -> str:
+        return ", ".join(f"{leaver} -> {joiner}" for leaver, joiner in sorted(self.moves.items()))
 
     def affected(self) -> list[str]:
         return sorted(self.plan.affected_machines())
@@ -177,7 +190,8 @@ class Migration:
             if recovery:
                 await self._progress("done", self._summary(), final=True)
         elif step == "releasing":
-            await self._progress("releasing", f"{self.leaver} goes to maintenance")
+            leavers = ", ".join(sorted(self.plan.leavers()))
+            await self._progress("releasing", f"{leavers} go(es) to maintenance")
             await self._all("release", list(self.plan.leavers()))
             self._phase("release", t0)
             await self._enter("done")
@@ -204,19 +218,17 @@ class Migration:
         }
         self.record.phases["downtime"] = downtime(before_end, after_end, median)
         transfers = self.record.results.get("transfer", {})
-        joiner = transfers.get(self.joiner, {})
-        if joiner:
-            self.record.phases["first_step"] = max(0.0, after_end - float(joiner["t_end"]))
-        leaver = transfers.get(self.leaver, {})
-        if leaver:
-            self.record.phases["transfer"] = float(leaver.get("transfer_s", 0.0))
+        # Several moves run side by side: the slowest one is the migration's.
+        joined = [float(transfers[j]["t_end"]) for j in self.plan.joiners() if j in transfers]
+        if joined:
+            self.record.phases["first_step"] = max(0.0, after_end - min(joined))
+        senders = [transfers[m] for m in self.plan.sources() if m in transfers]
+        if senders:
+            self.record.phases["transfer"] = max(float(r.get("transfer_s", 0.0)) for r in senders)
 
     def _summary(self) -> str:
         rebuilt = len(self.plan.groups)
-        return (
-            f"{self.leaver} -> {self.joiner} at step {self.record.commit_step}; "
-            f"rebuilt {rebuilt} groups"
-        )
+        return f"{self._together()} at step {self.record.commit_step}; rebuilt {rebuilt} groups"
 
     # --- plumbing ---------------------------------------------------------------------
 
@@ -256,21 +268,25 @@ class Migration:
         await self._save(self.record)
 
     async def _progress(self, state: MigrationState, detail: str, final: bool = False) -> None:
-        await self._publish(
-            MigrationProgress(
-                job=self.plan.job,
-                event_id=self.plan.event_id,
-                plan_id=self.plan.plan_id,
-                state=state,
-                detail=detail,
-                leaver=self.leaver,
-                joiner=self.joiner,
-                downtime_s=self.record.phases.get("downtime") if final else None,
-                phases=dict(self.record.phases) if final else {},
-                groups_rebuilt=sorted(g.name for g in self.plan.groups) if final else [],
-                groups_total=self.record.groups_total if final else None,
+        """Published for the plan's event and for every failure event it merged (a
+        recovery that superseded another ends that one's event too)."""
+        for event_id in [self.plan.event_id, *self.plan.merged_events]:
+            await self._publish(
+                MigrationProgress(
+                    job=self.plan.job,
+                    event_id=event_id,
+                    plan_id=self.plan.plan_id,
+                    state=state,
+                    detail=detail,
+                    leaver=self.leaver,
+                    joiner=self.joiner,
+                    moves=self.moves,
+                    downtime_s=self.record.phases.get("downtime") if final else None,
+                    phases=dict(self.record.phases) if final else {},
+                    groups_rebuilt=sorted(g.name for g in self.plan.groups) if final else [],
+                    groups_total=self.record.groups_total if final else None,
+                )
             )
-        )
 
     async def _fail(self, error: str) -> MigrationRecord:
         log.error(

@@ -2,8 +2,15 @@
 
 Plans come from a durable JetStream consumer and are acked once their record is stored
 in the executor's bucket; from then on the record, not the stream, is the truth. A
-restarted executor resumes every unfinished record where it stopped. A plan that the
-planner withdrew (no longer in the cluster state's in-flight set) is not started.
+restarted executor resumes every unfinished record where it stopped.
+
+The executor follows the planner's cluster state: a plan the planner withdrew (it was in
+the in-flight set and is no longer, unfinished: a recovery superseded it) is not started,
+or is stopped where it is (record step `withdrawn`), and the machines it left half way
+are told to `abort` it: a joiner that may hold its role is relaunched as a standby, a
+live leaver keeps its role. Every plan in a record was in the in-flight set before the
+record existed (the planner stores a decision before publishing it), so a resumed
+record whose plan is not in flight any more was withdrawn too.
 """
 
 from __future__ import annotations
@@ -21,7 +28,14 @@ from nats.js.kv import KeyValue
 from trainmover import bus
 from trainmover import metric_names as names
 from trainmover.logs import get_logger
-from trainmover.messages import ClusterState, MessageError, MigrationProgress, Plan, decode
+from trainmover.messages import (
+    ClusterState,
+    Command,
+    MessageError,
+    MigrationProgress,
+    Plan,
+    decode,
+)
 from trainmover.metrics import Registry
 from trainmover.services.executor.migration import Migration, MigrationRecord
 from trainmover.subjects import STATE_KEY, JobSubjects
@@ -51,6 +65,10 @@ class ExecutorService:
         self.groups_total = groups_total
         self._kv: KeyValue | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._records: dict[str, MigrationRecord] = {}
+        # Plan ids ever seen in flight, and the in-flight set of the latest state.
+        self._seen: set[str] = set()
+        self._in_flight: set[str] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics = metrics or Registry()
         self._m_migrations = self.metrics.counter(
@@ -83,6 +101,9 @@ class ExecutorService:
     async def start(self) -> None:
         await bus.ensure_job(self._js, self.job)
         self._kv = await self._bucket()
+        state_kv = await bus.job_bucket(self._js, self.job)
+        watcher = await state_kv.watch(STATE_KEY)
+        self._tasks.append(asyncio.create_task(self._follow_state(watcher)))
         await self._resume()
         sub = await self._js.pull_subscribe(
             self._subjects.plans,
@@ -114,12 +135,17 @@ class ExecutorService:
             keys = await self._kv.keys()
         except Exception:  # nats-py raises NoKeysError for an empty bucket
             keys = []
+        in_flight = await self._current_in_flight()
         for key in keys:
             entry = await self._kv.get(key)
             if not entry.value:
                 continue
             record = decode(MigrationRecord, entry.value)
-            if record.step not in ("done", "failed"):
+            if record.step in ("done", "failed", "withdrawn"):
+                continue
+            if in_flight is not None and record.plan.plan_id not in in_flight:
+                await self._withdraw(record, None)
+            else:
                 log.info(
                     "migration_resumed", job=self.job, plan_id=record.plan.plan_id, step=record.step
                 )
@@ -156,6 +182,9 @@ class ExecutorService:
         record = MigrationRecord(plan=plan, groups_total=self.groups_total)
         await self._kv.put(key, record.to_json())
         await msg.ack()
+        if plan.plan_id in self._seen and plan.plan_id not in (self._in_flight or set()):
+            await self._withdraw(record, None)
+            return
         log.info(
             "plan_accepted",
             job=self.job,
@@ -170,6 +199,7 @@ class ExecutorService:
         plan_id = record.plan.plan_id
         if plan_id in self._running:
             return
+        self._records[plan_id] = record
         task = asyncio.create_task(self._run(record))
         self._running[plan_id] = task
         task.add_done_callback(lambda _t: self._running.pop(plan_id, None))
@@ -192,6 +222,84 @@ class ExecutorService:
             for phase, seconds in final.phases.items():
                 self._m_phase.set(seconds, phase=phase)
 
+    # --- plans the planner withdrew ----------------------------------------------------
+
+    async def _current_in_flight(self) -> set[str] | None:
+        state_kv = await bus.job_bucket(self._js, self.job)
+        try:
+            entry = await state_kv.get(STATE_KEY)
+        except KeyNotFoundError:
+            return None  # no planner has run yet: nothing can have been withdrawn
+        assert entry.value is not None
+        return set(decode(ClusterState, entry.value).in_flight)
+
+    async def _follow_state(self, watcher: object) -> None:
+        async for entry in watcher:  # type: ignore[attr-defined]
+            if entry is None or not entry.value:
+                continue
+            try:
+                state = decode(ClusterState, entry.value)
+            except MessageError as err:
+                log.error("bad_cluster_state", job=self.job, error=str(err))
+                continue
+            self._in_flight = set(state.in_flight)
+            self._seen |= self._in_flight
+            for plan_id in list(self._running):
+                if plan_id in self._seen and plan_id not in self._in_flight:
+                    await self._withdraw(self._records[plan_id], state)
+
+    async def _withdraw(self, record: MigrationRecord, state: ClusterState | None) -> None:
+        """Stops a withdrawn plan's migration and tells the machines it left half way."""
+        plan = record.plan
+        task = self._running.pop(plan.plan_id, None)
+        if task is not None:
+            if record.step in ("done", "failed"):
+                return  # it ended on its own; the planner dropped it for that reason
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        record.step = "withdrawn"
+        await self._save(record)
+        log.warning(
+            "migration_withdrawn",
+            job=self.job,
+            plan_id=plan.plan_id,
+            event_id=plan.event_id,
+            moves=[(m.leaver, m.joiner) for m in plan.moves],
+        )
+        machines = state.machines if state is not None else {}
+        # A joiner the planner sent to maintenance may hold its role; a live leaver of a
+        # planned migration is active again. A dead machine just does not answer.
+        targets = [
+            m.joiner
+            for m in plan.moves
+            if getattr(machines.get(m.joiner), "status", "") == "maintenance"
+        ]
+        if plan.migration == "planned":
+            targets += [
+                m.leaver
+                for m in plan.moves
+                if getattr(machines.get(m.leaver), "status", "") == "active"
+            ]
+        for machine in targets:
+            self._tasks.append(asyncio.create_task(self._abort_on(plan, machine)))
+
+    async def _abort_on(self, plan: Plan, machine: str) -> None:
+        command = Command(
+            command_id=f"{plan.plan_id}.abort.{machine}",
+            job=self.job,
+            machine=machine,
+            op="abort",
+            plan_id=plan.plan_id,
+            args={"plan": plan.model_dump_json(), "timeout_s": self.timeout_s},
+        )
+        try:
+            reply = await bus.request(self._nc, command, timeout=30.0, deadline_s=self.timeout_s)
+            error = reply.error if not reply.ok else None
+        except Exception as err:  # the machine may be dead: nothing to undo there
+            error = f"{type(err).__name__}: {err}"
+        log.info("abort_sent", job=self.job, plan_id=plan.plan_id, machine=machine, error=error)
+
     async def _survivors(self) -> list[str]:
         """The machines that keep their roles: active in the planner's cluster state."""
         state_kv = await bus.job_bucket(self._js, self.job)
@@ -210,8 +318,10 @@ class ExecutorService:
 
     async def _publish(self, progress: MigrationProgress) -> None:
         payload = progress.to_json()
-        # Same state of the same plan -> same id: a resumed executor's repeat is dropped.
-        msg_id = hashlib.sha256(f"{progress.plan_id}.{progress.state}".encode()).hexdigest()[:32]
+        # Same state of the same plan for the same event -> same id: a resumed executor's
+        # repeat is dropped (a plan that merged events reports to each of them).
+        key = f"{progress.plan_id}.{progress.state}.{progress.event_id}"
+        msg_id = hashlib.sha256(key.encode()).hexdigest()[:32]
         await self._js.publish(
             self._subjects.progress, payload, headers={"Nats-Msg-Id": msg_id}, timeout=5
         )

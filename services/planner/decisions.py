@@ -12,8 +12,17 @@ Rules (../shared/DESIGN.md):
   cool-down; otherwise ignored (it is only slow).
 - rebalance: planned migration of the named machine (or the slowest known one).
 - an event for a machine already leaving, a duplicate event, an unknown machine: rejected
-  with a reason, nothing changes. A failure of a leaver mid-migration replaces its plan
-  with an unplanned one; a failure of a standby removes it from the pool.
+  with a reason, nothing changes. A failure of a standby removes it from the pool.
+- failures at once / during a migration: a recovery involves every rank of the job, so
+  at most one is in flight and nothing planned runs beside it. A failure while plans are
+  in flight *supersedes* all of them with ONE recovery: the leavers of in-flight
+  recoveries and the new one move together (each to its own joiner; joiners already
+  chosen are kept), each from a live data-parallel replica, or all from the last
+  checkpoint when some failed cell has no live replica left (both replicas died). A
+  planned migration caught by it is aborted (its phase-1 groups are dropped by the
+  recovery) and its event re-queued as a drain, unless its leaver is the one that died.
+  Generations a cancelled plan claimed are never handed out again (their store
+  prefixes may hold a half-built incarnation).
 """
 
 from __future__ import annotations
@@ -144,122 +153,217 @@ class Planner:
             if plan is None:
                 return outcome
             return self._replace_plan(outcome.state, plan, now, outcome)
-        superseded: Plan | None = None
-        if current.status == "leaving":
-            superseded = _plan_with_leaver(state, machine)
-            if superseded is None:
-                # Leaving with no plan: a failure already waiting for a standby.
-                return self._reject(state, event, f"{machine} is already failed and queued")
-            # The leaver died mid-migration: the planned path cannot finish (no leaver
-            # to send state). Cancel it and recover from a replica instead.
-            state = _drop_plan(state, superseded, restore_joiner=True)
-            state = _set_machine(state, machine, status="active")
-        outcome = self._plan_failure(state, event, now)
-        if superseded is not None:
-            outcome.cancelled.append(superseded.plan_id)
-            outcome.progress.insert(
-                0,
+        if current.status == "leaving" and _plan_with_leaver(state, machine) is None:
+            # Leaving with no plan: a failure already waiting for a standby.
+            return self._reject(state, event, f"{machine} is already failed and queued")
+        return self._recover(state, [event], now)
+
+    def _recover(self, state: ClusterState, failures: list[FailureEvent], now: float) -> Outcome:
+        """One recovery for every failure not yet recovered: `failures`, those waiting in
+        the queue for a standby, and the leavers of in-flight recoveries, whose plans (and
+        every planned migration in flight) it supersedes. See the module docstring."""
+        superseded = list(state.in_flight.values())
+        waiting = [q for q in state.queued if _is_failure(q)]
+        failed = {f.machine for f in failures} | {q.machine for q in waiting}
+        failed |= {m.leaver for p in superseded if p.migration != "planned" for m in p.moves}
+        # leaver -> the joiner already chosen for it (None: pick one); failure event id ->
+        # its machine, oldest first.
+        leavers: dict[str, str | None] = {}
+        events: dict[str, str] = {}
+        progress: list[MigrationProgress] = []
+        for plan in superseded:
+            state = _cancel_plan(state, plan)
+            if plan.migration == "planned":
+                state, note = self._abort_planned(state, plan, failed, leavers, now)
+                progress.append(note)
+            else:
+                events.update(_failures_of(plan))
+                for move in plan.moves:
+                    leavers[move.leaver] = move.joiner
+        state = state.model_copy(update={"queued": [q for q in state.queued if q not in waiting]})
+        for queued in waiting:
+            events[queued.event_id] = queued.machine
+            leavers.setdefault(queued.machine, None)
+        for event in failures:
+            events[event.event_id] = event.machine
+            leavers.setdefault(event.machine, None)
+        # A joiner is kept only while it is alive and still joining.
+        for leaver, kept in leavers.items():
+            if kept is not None and state.machines[kept].status != "joining":
+                leavers[leaver] = None
+        moves = self._pick_joiners(state, leavers)
+        if moves is None:
+            waiting_outcome = self._wait_for_standbys(state, leavers, events, failures, progress)
+            waiting_outcome.cancelled += [p.plan_id for p in superseded]
+            return waiting_outcome
+        replicas = {leaver: _replica(state, leaver, exclude=set(moves)) for leaver in moves}
+        orphans = sorted(leaver for leaver, src in replicas.items() if src is None)
+        kind: PlanKind = "checkpoint_restart" if orphans else "unplanned"
+        sources = {} if orphans else {leaver: str(src) for leaver, src in replicas.items()}
+        *older, newest = events
+        outcome = self._make_plan(
+            state,
+            newest,
+            kind,
+            moves,
+            sources,
+            now,
+            None,
+            merged_events={e: events[e] for e in older},
+            supersedes=[p.plan_id for p in superseded],
+        )
+        plan = outcome.plans[0]
+        together = ", ".join(f"{leaver} -> {joiner}" for leaver, joiner in sorted(moves.items()))
+        for event_id in older:
+            outcome.progress.append(
                 _progress(
                     outcome.state,
-                    superseded.event_id,
-                    "aborted",
-                    "the leaver failed mid-migration: recovering from a replica instead",
-                    machine,
-                    superseded.moves[0].joiner,
-                    superseded.plan_id,
-                ),
+                    event_id,
+                    "planned",
+                    f"superseded by recovery {plan.plan_id[:8]}: {together}",
+                    *_first_move(moves),
+                    plan.plan_id,
+                )
             )
+        if orphans:
+            why = ", ".join(orphans)
+            outcome.progress.append(
+                _progress(
+                    outcome.state,
+                    plan.event_id,
+                    "fallback",
+                    "falling back to checkpoint restart: no data-parallel replica of the "
+                    f"roles of {why} is alive (DP=1, or every replica failed)",
+                    *_first_move(moves),
+                    plan.plan_id,
+                )
+            )
+        outcome.progress[:0] = progress
+        outcome.cancelled += [p.plan_id for p in superseded]
         return outcome
 
-    def _plan_failure(self, state: ClusterState, event: FailureEvent, now: float) -> Outcome:
-        leaver = event.machine
-        cell = state.machines[leaver].cell
-        assert cell is not None
-        replica = _replica(state, leaver)
-        joiner = self._free_standby(state, leaver)
-        if replica is None or joiner is None:
-            why = (
-                "no data-parallel replica of its roles (DP=1)"
-                if replica is None
-                else "no warm standby free"
-            )
-            return self._checkpoint_restart(state, event, leaver, joiner, why, now)
-        return self._make_plan(
-            state, event.event_id, "unplanned", {leaver: joiner}, {leaver: replica}, now, None
-        )
-
-    def _checkpoint_restart(
+    def _abort_planned(
         self,
         state: ClusterState,
-        event: FailureEvent,
-        leaver: str,
-        joiner: str | None,
-        why: str,
+        plan: Plan,
+        failed: set[str],
+        leavers: dict[str, str | None],
         now: float,
-    ) -> Outcome:
-        """The fallback: every rank reloads its last checkpoint; the joiner takes the role.
-
-        With no standby free, the failure waits in the queue for one (the job cannot run
-        without the role either way); the progress event says which path was taken.
-        """
-        detail = f"falling back to checkpoint restart: {why}"
-        if joiner is None:
-            queued = QueuedEvent(
-                event_id=event.event_id, machine=leaver, raw=event.model_dump_json()
-            )
-            state = state.model_copy(update={"queued": [*state.queued, queued]})
-            state = _set_machine(state, leaver, status="leaving")
-            return Outcome(
+    ) -> tuple[ClusterState, MigrationProgress]:
+        """A planned migration caught by a recovery: the recovery drops its phase-1 groups
+        on every rank. A joiner whose leaver failed is kept for the same cell (it prepared
+        exactly that role); any other joiner may hold a role already, so it goes through
+        maintenance (its sidecar relaunches it as a standby). A live leaver keeps its role
+        and its event waits in the queue, as a drain, to run again."""
+        for move in plan.moves:
+            if move.leaver in failed:
+                leavers[move.leaver] = move.joiner
+                continue
+            state = _set_machine(state, move.leaver, status="active")
+            if state.machines[move.joiner].status == "joining":
+                state = _set_machine(state, move.joiner, status="maintenance", warm_role_types=[])
+        cause = ", ".join(sorted(failed))
+        first = plan.moves[0]
+        if first.leaver in failed:
+            return state, _progress(
                 state,
-                progress=[
-                    _progress(
-                        state,
-                        event.event_id,
-                        "fallback",
-                        detail + "; waiting for a standby",
-                        leaver,
-                    )
-                ],
+                plan.event_id,
+                "aborted",
+                f"the leaver failed mid-migration ({cause}): recovering from a replica instead",
+                first.leaver,
+                first.joiner,
+                plan.plan_id,
             )
-        outcome = self._make_plan(
-            state, event.event_id, "checkpoint_restart", {leaver: joiner}, {}, now, None
+        deadline_s = None if plan.deadline_ts is None else max(1.0, plan.deadline_ts - now)
+        again = DrainEvent(
+            event_id=plan.event_id,
+            job=state.job,
+            machine=first.leaver,
+            reason=f"re-queued: aborted by the failure of {cause}",
+            source="planner",
+            deadline_s=deadline_s,
+            ts=now,
         )
-        fallback = _progress(
-            outcome.state,
-            event.event_id,
-            "fallback",
-            detail,
-            leaver,
-            joiner,
-            outcome.plans[0].plan_id,
+        queued = QueuedEvent(
+            event_id=again.event_id, machine=first.leaver, raw=again.to_json().decode()
         )
-        outcome.progress.append(fallback)
-        return outcome
+        state = state.model_copy(update={"queued": [queued, *state.queued]})
+        return state, _progress(
+            state,
+            plan.event_id,
+            "queued",
+            f"aborted by the failure of {cause}: the drain waits and runs again",
+            first.leaver,
+            None,
+            plan.plan_id,
+        )
+
+    def _pick_joiners(
+        self, state: ClusterState, leavers: dict[str, str | None]
+    ) -> dict[str, str] | None:
+        """leaver -> joiner: the one already chosen, else a free standby warm for its role
+        type (no two leavers share one); None when the pool is short."""
+        taken = {j for j in leavers.values() if j is not None}
+        moves: dict[str, str] = {}
+        for leaver, kept in sorted(leavers.items()):
+            joiner = kept or self._free_standby(state, leaver, exclude=taken)
+            if joiner is None:
+                return None
+            taken.add(joiner)
+            moves[leaver] = joiner
+        return moves
+
+    def _wait_for_standbys(
+        self,
+        state: ClusterState,
+        leavers: dict[str, str | None],
+        events: dict[str, str],
+        failures: list[FailureEvent],
+        progress: list[MigrationProgress],
+    ) -> Outcome:
+        """The pool is short: every failure waits in the queue (the job cannot run without
+        the roles either way) and is recovered as one when standbys are free. Joiners
+        already chosen may hold their roles, so they go through maintenance."""
+        new = {f.event_id for f in failures}
+        queued = list(state.queued)
+        for leaver, kept in sorted(leavers.items()):
+            if kept is not None:
+                state = _set_machine(state, kept, status="maintenance", warm_role_types=[])
+            state = _set_machine(state, leaver, status="leaving")
+        for event_id, machine in events.items():
+            raw = FailureEvent(
+                event_id=event_id, job=state.job, machine=machine, reason="waiting for a standby"
+            )
+            queued.append(
+                QueuedEvent(event_id=event_id, machine=machine, raw=raw.to_json().decode())
+            )
+            detail = (
+                "falling back to checkpoint restart: no warm standby free; waiting for a standby"
+            )
+            status = "fallback" if event_id in new else "queued"
+            progress.append(_progress(state, event_id, status, detail, machine))
+        state = state.model_copy(update={"queued": queued})
+        return Outcome(state, progress=progress)
 
     def _replace_plan(
         self, state: ClusterState, plan: Plan, now: float, outcome: Outcome
     ) -> Outcome:
         """Re-plans `plan`'s event after its joiner was lost."""
+        if plan.migration != "planned":
+            # Its leavers are still failed: recover them again (with any other failure).
+            replanned = self._recover(state, [], now)
+            replanned.progress = outcome.progress + replanned.progress
+            return replanned
         state = _drop_plan(state, plan, restore_joiner=False)
         leaver = plan.moves[0].leaver
         state = _set_machine(state, leaver, status="active")
-        kind_event: Event
-        if plan.migration == "planned":
-            kind_event = DrainEvent(
-                event_id=plan.event_id,
-                job=state.job,
-                machine=leaver,
-                reason="re-plan: joiner failed",
-            )
-            replanned = self._plan_planned(state, kind_event, now)
-        else:
-            kind_event = FailureEvent(
-                event_id=plan.event_id,
-                job=state.job,
-                machine=leaver,
-                reason="re-plan: joiner failed",
-            )
-            replanned = self._plan_failure(state, kind_event, now)
+        kind_event = DrainEvent(
+            event_id=plan.event_id,
+            job=state.job,
+            machine=leaver,
+            reason="re-plan: joiner failed",
+        )
+        replanned = self._plan_planned(state, kind_event, now)
         replanned.cancelled.append(plan.plan_id)
         replanned.progress = outcome.progress + replanned.progress
         return replanned
@@ -294,14 +398,16 @@ class Planner:
 
     # --- plans -----------------------------------------------------------------------
 
-    def _free_standby(self, state: ClusterState, leaver: str) -> str | None:
+    def _free_standby(
+        self, state: ClusterState, leaver: str, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> str | None:
         cell = state.machines[leaver].cell
         assert cell is not None
         wanted = role_type(state.layout, cell)
         free = [
             name
             for name, m in sorted(state.machines.items())
-            if m.status == "standby" and wanted in m.warm_role_types
+            if m.status == "standby" and wanted in m.warm_role_types and name not in exclude
         ]
         return free[0] if free else None
 
@@ -314,6 +420,8 @@ class Planner:
         sources: dict[str, str],
         now: float,
         deadline_ts: float | None,
+        merged_events: dict[str, str] | None = None,
+        supersedes: list[str] | None = None,
     ) -> Outcome:
         plan_id = new_id()
         assignment = {
@@ -331,6 +439,7 @@ class Planner:
             moves=moves,
             sources=replicas or None,
             restore="checkpoint" if kind == "checkpoint_restart" else "transfer",
+            supersedes=supersedes,
         )
         plan = Plan(
             plan_id=plan_id,
@@ -340,6 +449,9 @@ class Planner:
             moves=delta.moves,
             groups=delta.groups,
             transfers=delta.transfers,
+            restore=delta.restore,
+            supersedes=delta.supersedes,
+            merged_events=merged_events or {},
             state_sources=sources,
             deadline_ts=deadline_ts,
             ts=now,
@@ -349,19 +461,13 @@ class Planner:
             state = _set_machine(state, joiner, status="joining")
         state = state.model_copy(update={"in_flight": {**state.in_flight, plan_id: plan}})
         state = _remember(state, event_id, plan_id)
-        leaver, joiner = next(iter(moves.items()))
+        together = ", ".join(f"{leaver} -> {joiner}" for leaver, joiner in sorted(moves.items()))
         return Outcome(
             state,
             plans=[plan],
             progress=[
                 _progress(
-                    state,
-                    event_id,
-                    "planned",
-                    f"{kind}: {leaver} -> {joiner}",
-                    leaver,
-                    joiner,
-                    plan_id,
+                    state, event_id, "planned", f"{kind}: {together}", *_first_move(moves), plan_id
                 )
             ],
         )
@@ -440,13 +546,21 @@ class Planner:
             if leaver_state is None or leaver_state.status not in ("active", "leaving"):
                 state = state.model_copy(update={"queued": rest})
                 continue
-            if self._free_standby(state, head.machine) is None or _rebuilding(state, head.machine):
-                break
-            state = state.model_copy(update={"queued": rest})
             event = decode_event(head.raw)
             if isinstance(event, FailureEvent):
-                planned = self._plan_failure(state, event, now)
+                # Every failure waiting is recovered at once, when there is a standby for each.
+                waiting: dict[str, str | None] = {
+                    q.machine: None for q in state.queued if _is_failure(q)
+                }
+                if self._pick_joiners(state, waiting) is None:
+                    break
+                planned = self._recover(state, [], now)
             else:
+                if self._free_standby(state, head.machine) is None or _rebuilding(
+                    state, head.machine
+                ):
+                    break
+                state = state.model_copy(update={"queued": rest})
                 planned = self._plan_planned(state, event, now)
             state = planned.state
             outcome.plans += planned.plans
@@ -482,7 +596,11 @@ def _drop_plan(state: ClusterState, plan: Plan, restore_joiner: bool) -> Cluster
 
 
 def _rebuilding(state: ClusterState, machine: str) -> Plan | None:
-    """An in-flight plan that rebuilds a group of `machine`'s role, if any."""
+    """An in-flight plan that rebuilds a group of `machine`'s role, if any. A recovery
+    counts for every machine: every rank of the job takes part in it."""
+    recovery = next((p for p in state.in_flight.values() if p.migration != "planned"), None)
+    if recovery is not None:
+        return recovery
     cell = state.machines[machine].cell
     if cell is None:
         return None
@@ -502,13 +620,15 @@ def _plan_with_joiner(state: ClusterState, machine: str) -> Plan | None:
     )
 
 
-def _replica(state: ClusterState, leaver: str) -> str | None:
-    """An active machine holding the same pipeline stage in another DP replica."""
+def _replica(state: ClusterState, leaver: str, exclude: set[str]) -> str | None:
+    """An active machine, not in `exclude` (the other leavers), holding the same pipeline
+    stage in another DP replica."""
     cell = state.machines[leaver].cell
     assert cell is not None
     for name, m in sorted(state.machines.items()):
         if (
             name != leaver
+            and name not in exclude
             and m.status == "active"
             and m.cell is not None
             and m.cell.pp == cell.pp
@@ -519,7 +639,36 @@ def _replica(state: ClusterState, leaver: str) -> str | None:
 
 
 def _generations(state: ClusterState) -> dict[str, int]:
-    return {name: state.generations.get(name, 0) for name in state.layout.all_groups()}
+    """Per group, the highest generation built or claimed: a new plan takes the next."""
+    return {
+        name: max(state.generations.get(name, 0), state.claimed_generations.get(name, 0))
+        for name in state.layout.all_groups()
+    }
+
+
+def _cancel_plan(state: ClusterState, plan: Plan) -> ClusterState:
+    """Drops a superseded plan; its groups' generations stay claimed (some ranks may have
+    built them: a later incarnation must not reuse their store prefix)."""
+    state = _drop_plan(state, plan, restore_joiner=False)
+    claimed = dict(state.claimed_generations)
+    for spec in plan.groups:
+        claimed[spec.name] = max(claimed.get(spec.name, 0), spec.generation)
+    return state.model_copy(update={"claimed_generations": claimed})
+
+
+def _failures_of(plan: Plan) -> dict[str, str]:
+    """A recovery's failure events -> the machine each reported (merged ones included)."""
+    own = sorted(plan.leavers() - set(plan.merged_events.values())) or [plan.moves[0].leaver]
+    return {**plan.merged_events, plan.event_id: own[0]}
+
+
+def _is_failure(queued: QueuedEvent) -> bool:
+    return isinstance(decode_event(queued.raw), FailureEvent)
+
+
+def _first_move(moves: dict[str, str]) -> tuple[str, str]:
+    """The (leaver, joiner) a progress message names (its `moves` lists them all)."""
+    return min(moves.items())
 
 
 def _progress(
@@ -531,6 +680,8 @@ def _progress(
     joiner: str | None = None,
     plan_id: str | None = None,
 ) -> MigrationProgress:
+    plan = state.in_flight.get(plan_id or "")
+    moves = {m.leaver: m.joiner for m in plan.moves} if plan is not None else {}
     return MigrationProgress(
         job=state.job,
         event_id=event_id,
@@ -539,4 +690,5 @@ def _progress(
         detail=detail,
         leaver=leaver,
         joiner=joiner,
+        moves=moves,
     )

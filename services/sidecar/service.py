@@ -309,6 +309,8 @@ class Sidecar:
             return result
         if op == "release":
             return await self._release(plan, timeout)
+        if op == "abort":
+            return self._abort(plan)
         raise ValueError(f"unsupported op {op!r}")
 
     async def _warm(self, timeout: float) -> dict[str, object]:
@@ -339,8 +341,27 @@ class Sidecar:
         self._tasks.append(asyncio.create_task(self._return_after_maintenance()))
         return {"released": True, "maintenance_s": self.s.config.cluster.maintenance_s}
 
+    def _abort(self, plan: Plan) -> dict[str, object]:
+        """The planner withdrew `plan` half way (a recovery superseded it). This machine's
+        workers, as its joiner, may hold the role already and cannot give it back: they are
+        relaunched as a standby (through maintenance, so the planner does not take the
+        machine until it is warm again). As a leaver it keeps its role."""
+        if any(m.joiner == self.machine for m in plan.moves) and self._status != "active":
+            self._status = "maintenance"
+            self._warm_types = []
+            self._beat_now.set()
+            self._tasks.append(asyncio.create_task(self._relaunch_as_standby()))
+            return {"relaunched": True}
+        if any(m.leaver == self.machine for m in plan.moves) and self._status == "leaving":
+            self._status = "active"
+            self._beat_now.set()
+        return {"relaunched": False, "status": self._status}
+
     async def _return_after_maintenance(self) -> None:
         await asyncio.sleep(self.s.config.cluster.maintenance_s)
+        await self._relaunch_as_standby()
+
+    async def _relaunch_as_standby(self) -> None:
         await asyncio.to_thread(self.workers.stop)
         await asyncio.to_thread(self.workers.launch)
         self._status = "standby"

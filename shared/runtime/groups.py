@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover.runtime import fault
-from trainmover.runtime.abort import WAITER, AbortSignal, CollectiveError, StepAborted
+from trainmover.runtime.abort import POLL_S, WAITER, AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.plan import GroupSpec, RankRef
 
 _incarnations = itertools.count(1)
@@ -37,6 +37,11 @@ _incarnations = itertools.count(1)
 #: wrappers). Any: their type stubs lack send/recv/barrier, and NCCL's class does not
 #: exist in CPU builds.
 Backend = Any
+
+
+class BuildAbandoned(RuntimeError):
+    """The caller stopped waiting for a build (its plan was superseded); the groups the
+    builder finishes are shut down, never installed."""
 
 
 class StaleMemberError(RuntimeError):
@@ -311,6 +316,8 @@ class GroupBuilder:
     started: float = 0.0
     elapsed_s: float = 0.0
     _done: threading.Event = field(default_factory=threading.Event)
+    _discarded: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self, name: str = "group-builder") -> GroupBuilder:
         self.started = time.perf_counter()
@@ -335,16 +342,52 @@ class GroupBuilder:
             self.error = exc
         finally:
             self.elapsed_s = time.perf_counter() - self.started
-            self._done.set()
+            with self._lock:
+                self._done.set()
+                discarded = self._discarded
+            if discarded:
+                self._shutdown_built()
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self, timeout_s: float) -> list[Group]:
-        """The built groups; raises the build error, or TimeoutError."""
-        if not self._done.wait(timeout_s):
-            raise TimeoutError(f"groups {[s.name for s in self.specs]} not built in {timeout_s}s")
+    def wait(self, timeout_s: float, abandon: Callable[[], bool] | None = None) -> list[Group]:
+        """The built groups; raises the build error, or TimeoutError. With `abandon`,
+        checked every POLL_S: once it is true the build is discarded (BuildAbandoned),
+        so a rendezvous with a member that will never come does not hold the caller."""
+        deadline = time.monotonic() + timeout_s
+        while not self._done.wait(POLL_S if abandon is not None else timeout_s):
+            if abandon is not None and abandon():
+                self.discard()
+                raise BuildAbandoned(f"stopped waiting for {[s.name for s in self.specs]}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"groups {[s.name for s in self.specs]} not built in {timeout_s}s"
+                )
         if self.error is not None:
             raise self.error
         return self.built
+
+    def discard(self) -> None:
+        """Nobody will install these groups: shut down what is built, now or when the
+        build ends (a gloo group alive at exit can abort the process)."""
+        with self._lock:
+            self._discarded = True
+            done = self._done.is_set()
+        if done:
+            self._shutdown_built()
+
+    @property
+    def discarded(self) -> bool:
+        return self._discarded
+
+    def settle(self, timeout_s: float) -> bool:
+        """Waits until the build thread ended (a discarded build ends at the latest when
+        its rendezvous times out); False if it did not within `timeout_s`."""
+        return self._done.wait(timeout_s)
+
+    def _shutdown_built(self) -> None:
+        built, self.built = self.built, []
+        for group in built:
+            group.shutdown()

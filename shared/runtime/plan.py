@@ -96,6 +96,9 @@ class Plan(BaseModel):
     #: Where joiners get state: over the transfer pairs, or (no replica, DP=1) every rank
     #: of the job reloads the last checkpoint common to all roles.
     restore: Literal["transfer", "checkpoint"] = "transfer"
+    #: Recovery plans this one replaces (a failure during a recovery): a rank still in
+    #: one of them abandons it for this plan and refuses it from then on.
+    supersedes: list[str] = Field(default_factory=list)
 
     def sources(self) -> set[str]:
         """Machines that send state to a joiner (leavers, or replicas when unplanned)."""
@@ -164,6 +167,7 @@ def compute_delta(
     full: bool = False,
     sources: dict[str, str] | None = None,
     restore: Literal["transfer", "checkpoint"] = "transfer",
+    supersedes: list[str] | None = None,
 ) -> Plan:
     """The plan that moves each leaver in `moves` (leaver -> joiner) to its joiner.
 
@@ -173,7 +177,7 @@ def compute_delta(
     where each joiner's state comes from when not from the leaver: a data-parallel
     replica of the leaver's cell (unplanned; the pair is then [replica rank, joiner
     rank]). With `restore="checkpoint"` there are no transfer pairs: every rank reloads
-    the last common checkpoint.
+    the last common checkpoint. `supersedes` names the plans this one replaces.
     """
     sources = sources or {}
     plan_moves: list[Move] = []
@@ -226,4 +230,5 @@ def compute_delta(
         groups=groups,
         transfers=transfers,
         restore=restore,
+        supersedes=supersedes or [],
     )

@@ -32,7 +32,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,10 +44,17 @@ import torch.distributed as dist
 
 from trainmover.runtime import checkpoint, fault, logs
 from trainmover.runtime import control as c
-from trainmover.runtime.abort import AbortSignal, CollectiveError, StepAborted
+from trainmover.runtime.abort import POLL_S, AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.config import JobConfig, load_config
-from trainmover.runtime.groups import COMM_CLOCK, Group, GroupBuilder, GroupTable, pick_device
+from trainmover.runtime.groups import (
+    COMM_CLOCK,
+    BuildAbandoned,
+    Group,
+    GroupBuilder,
+    GroupTable,
+    pick_device,
+)
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan, RankRef
 from trainmover.runtime.sandbox import DirectoryRecordStore, Recorder
@@ -67,6 +74,11 @@ RecoveryPart = Literal["joiner", "source", "stayer"]
 
 class SupervisorGone(RuntimeError):
     """The control connection closed: nobody can coordinate this rank any more."""
+
+
+class RecoverySuperseded(RuntimeError):
+    """A newer recover plan replaced the one this rank was carrying out (another machine
+    failed meanwhile); the rank drops what it built and starts the newer one."""
 
 
 @dataclass
@@ -128,6 +140,8 @@ class Runtime:
         self.signal.on_failure = self._on_collective_failure
         self._agreement: CommitAgreement | None = None
         self._recovery: _Recovery | None = None
+        self._superseded: set[str] = set()  # recover plans replaced by a newer one
+        self._builders: list[GroupBuilder] = []
         self._in_flight: int | None = None
         self._voted = self._discarded = self._committed_in_flight = False
         self._warm_queue: list[c.Warm] = []
@@ -274,10 +288,13 @@ class Runtime:
         if self._initial is not None:
             self.groups.install(self._initial.wait(self._timeout_s))
             self._initial = None
+        joined = False
         if self._migration is not None and self._migration.part == "joiner":
-            self._join()
+            joined = self._join()  # False: a recovery took the migration's place
+        if joined:
+            pass
         elif self._recovery is not None and self._recovery.part == "joiner":
-            self._recover(joiner=True)
+            self._recover_superseding(joiner=True)
         else:
             self._new_epoch(self.signal.epoch, self._state.step)
         while self._boundary(self._state.step):
@@ -425,6 +442,11 @@ class Runtime:
         if self._agreement is not None:
             self._agreement.close()
         self.groups.shutdown()
+        # A thread still blocked in an abandoned rendezvous (a member that died) would
+        # abort the process when it returns during interpreter teardown: let it end first.
+        for builder in self._builders:
+            if builder.discarded and not builder.settle(self._timeout_s):
+                self.log.warning("abandoned_build_still_running", groups=len(builder.specs))
         step = self._state.step if self._state else 0
         self.log.info("exit", reason=reason, step=step, error=error or None)
         if not self._conn.closed.is_set():
@@ -465,7 +487,7 @@ class Runtime:
                 self._maybe_dump(step)
                 return True
             if action == "recover":
-                self._recover(joiner=False)
+                self._recover_superseding(joiner=False)
                 continue
             if action == "finish":
                 if self._orphaned:
@@ -522,13 +544,18 @@ class Runtime:
         )
         return "switched"
 
-    def _join(self) -> None:
+    def _join(self) -> bool:
         """A joiner's phase 2: wait for the commit, receive the leaver's state, install
-        its new groups; training then continues from the leaver's step."""
+        its new groups; training then continues from the leaver's step. False when a
+        recovery superseded the migration before its commit (its leaver failed)."""
         mig = self._migration
         assert mig is not None and self._state is not None
         with self._cond:
-            self._cond.wait_for(lambda: mig.commit_step is not None or self._stop)
+            self._cond.wait_for(
+                lambda: mig.commit_step is not None or self._stop or self._recovery is not None
+            )
+            if self._recovery is not None and mig.commit_step is None:
+                return False
             if mig.commit_step is None:
                 raise SupervisorGone("stopped before the commit")
         t_start = time.time()
@@ -553,6 +580,16 @@ class Runtime:
                 transfer_s=stats.seconds,
             )
         )
+        return True
+
+    def _recover_superseding(self, joiner: bool) -> None:
+        """Carries out the recover plan in flight; when a newer plan supersedes it midway
+        (another machine failed), starts over with that one."""
+        while self._recovery is not None:
+            try:
+                self._recover(joiner)
+            except RecoverySuperseded as exc:
+                self.log.warning("recovery_superseded", error=str(exc))
 
     def _recover(self, joiner: bool) -> None:
         """The unplanned path at a boundary (every rank of the job, and the joiner before
@@ -562,15 +599,24 @@ class Runtime:
         rec = self._recovery
         assert rec is not None and self._state is not None and self.role is not None
         plan, t_start = rec.plan, time.time()
+
+        def superseded() -> bool:
+            return self._recovery is not rec
+
         # The new epoch starts now: the recovery's own collectives must not see the old
         # epoch's abort (and a late abort of the old epoch can no longer reach them).
         self.signal.reset(plan.plan_id)
         store = _store_client(self._store_address, self._timeout_s)
         prefix = f"{self.config.job}/recover/{plan.plan_id}/"
         specs = plan.specs_for(self.me)
-        repaired = [] if joiner else self._dirty_groups(plan, store, prefix)
+        repaired = [] if joiner else self._dirty_groups(plan, store, prefix, superseded)
         specs = sorted([*specs, *repaired], key=lambda s: s.name)
-        built = self._builder(specs, f"recover-{plan.plan_id}").wait(self._timeout_s)
+        try:
+            built = self._builder(specs, f"recover-{plan.plan_id}").wait(
+                self._timeout_s, abandon=superseded
+            )
+        except BuildAbandoned as exc:
+            raise RecoverySuperseded(f"{plan.plan_id}: {exc}") from None
         build_s = time.time() - t_start
         transfer_bytes, transfer_s = 0, 0.0
         if plan.restore == "checkpoint":
@@ -598,7 +644,8 @@ class Runtime:
             old.shutdown()  # never blocks, even with an abandoned work in it
         self._new_epoch(plan.plan_id, self._state.step)
         with self._cond:
-            self._recovery = None
+            if self._recovery is rec:  # else a newer plan arrived: the boundary runs it
+                self._recovery = None
         event = c.Switched(
             plan_id=plan.plan_id,
             step=self._state.step,
@@ -625,7 +672,13 @@ class Runtime:
         )
         self._conn.notify(event)
 
-    def _dirty_groups(self, plan: Plan, store: dist.TCPStore, prefix: str) -> list[GroupSpec]:
+    def _dirty_groups(
+        self,
+        plan: Plan,
+        store: dist.TCPStore,
+        prefix: str,
+        superseded: Callable[[], bool],
+    ) -> list[GroupSpec]:
         """Groups outside the delta that some member left dirty (an abandoned work), as
         repair specs. Every survivor publishes its own dirty groups, then reads those of
         its groups' members, so all members of a group decide the same."""
@@ -637,10 +690,25 @@ class Runtime:
             if group.name in delta:
                 continue
             keys = [f"{prefix}dirty/{m}" for m in group.spec.members]
-            store.wait(keys, timedelta(seconds=self._timeout_s))
+            self._wait_keys(store, keys, superseded)
             if any(group.name in json.loads(store.get(k)) for k in keys):
                 repairs.append(group.spec.model_copy(update={"repair": plan.plan_id}))
         return repairs
+
+    def _wait_keys(
+        self, store: dist.TCPStore, keys: list[str], superseded: Callable[[], bool]
+    ) -> None:
+        """Until every key is in the store; a member that failed never writes its key, so
+        a newer recover plan (which leaves it out) ends the wait. The store has no way to
+        wake us, so it is polled between waits on our own condition."""
+        deadline = time.monotonic() + self._timeout_s
+        while not store.check(keys):
+            with self._cond:
+                if superseded():
+                    raise RecoverySuperseded(f"stopped waiting for {keys}")
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"store keys {keys} not set in {self._timeout_s}s")
+                self._cond.wait(POLL_S)
 
     def _transfer_group(self, built: list[Group]) -> Group:
         return next(g for g in built if g.spec.kind == "transfer")
@@ -720,22 +788,32 @@ class Runtime:
         else:
             part = "stayer"
         with self._cond:
+            if plan.plan_id in self._superseded:  # a late retry of a replaced plan
+                raise ValueError(f"recover: plan {plan.plan_id} was superseded")
             if self._recovery is not None:
                 if self._recovery.plan.plan_id == plan.plan_id:  # idempotent retry
                     return c.RecoverAck(part=part, committed=self._committed())
-                raise RuntimeError(f"recovery {self._recovery.plan.plan_id} still in flight")
+                if self._recovery.plan.plan_id not in plan.supersedes:
+                    raise RuntimeError(f"recovery {self._recovery.plan.plan_id} still in flight")
             if msg.store:
                 self._store_address = msg.store
             if part == "joiner":
-                if self.role is not None:
-                    raise ValueError("recover: the joiner already has a role")
                 move = plan.move_of(self.me.machine)
                 assert move is not None
-                self._take_role(move.roles[self.me.local_rank])
+                role = move.roles[self.me.local_rank]
+                if self.role is None:
+                    self._take_role(role)
+                elif self.role != role:
+                    # The same role is fine: a joiner kept by the plan that superseded hers.
+                    raise ValueError("recover: the joiner already has another role")
             elif self.role is None:
                 raise ValueError("recover: a standby that is not the plan's joiner")
-            # A planned migration caught by the failure is superseded by this plan.
+            # A planned migration caught by the failure is superseded by this plan; its
+            # phase-1 groups are never installed.
+            if self._migration is not None:
+                self._migration.builder.discard()
             self._migration = None
+            self._superseded.update(plan.supersedes)
             self._recovery = _Recovery(plan, part)
             self._cond.notify_all()
         if part != "joiner" and self._agreement is not None:
@@ -837,6 +915,8 @@ class Runtime:
         # A store connection of its own: the builder thread must not share a client
         # with anything else running meanwhile.
         store = _store_client(self._store_address, self._timeout_s)
-        return GroupBuilder(
+        builder = GroupBuilder(
             specs, self.me, store, self.config.job, self.device, self._timeout_s, self.signal
-        ).start(name)
+        )
+        self._builders = [b for b in self._builders if not b.done] + [builder]
+        return builder.start(name)

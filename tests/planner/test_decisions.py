@@ -159,13 +159,135 @@ def test_failure_without_standby_says_fallback_and_waits(planner):
     assert plan.migration == "unplanned" and plan.moves[0].joiner == "s5"
 
 
-def test_two_failures_get_two_standbys(planner):
-    state = sample_state(JOB, standbys=2)
-    first = planner.on_event(state, failure("m0"), NOW)
-    second = planner.on_event(first.state, failure("m3"), NOW)
-    joiners = {first.plans[0].moves[0].joiner, second.plans[0].moves[0].joiner}
-    assert joiners == {"s0", "s1"}
-    assert len(second.state.in_flight) == 2
+@pytest.mark.parametrize("second", ["m1", "m3"])
+def test_a_failure_during_a_recovery_supersedes_it_with_one_plan(planner, second):
+    """m1 shares m0's PP groups; m3 shares no group with m0, but a recovery involves every
+    rank of the job: either way the two failures become one recovery of two moves."""
+    first = planner.on_event(sample_state(JOB, standbys=2), failure("m0"), NOW)
+    (old,) = first.plans
+    event = failure(second)
+    out = planner.on_event(first.state, event, NOW)
+    (plan,) = out.plans
+    assert plan.migration == "unplanned" and plan.event_id == event.event_id
+    # m0 keeps the joiner it had; each leaver's state comes from its own live replica.
+    replica = {"m1": "m3", "m3": "m1"}[second]
+    assert {(m.leaver, m.joiner) for m in plan.moves} == {("m0", "s0"), (second, "s1")}
+    assert plan.state_sources == {"m0": "m2", second: replica}
+    assert plan.supersedes == [old.plan_id] and out.cancelled == [old.plan_id]
+    assert plan.merged_events == {old.event_id: "m0"}
+    assert list(out.state.in_flight) == [plan.plan_id]
+    # The first plan's groups may be half built: the new incarnations skip their generation.
+    generations = {g.name: g.generation for g in plan.groups}
+    assert all(generations[g.name] == 2 for g in old.groups)
+    assert {n: g for n, g in generations.items() if n not in {g.name for g in old.groups}}
+    assert set(generations.values()) == {1, 2}
+    # The first event is not ended: the new plan recovers it (its progress names the plan).
+    assert {(p.event_id, p.state, p.plan_id) for p in out.progress} == {
+        (event.event_id, "planned", plan.plan_id),
+        (old.event_id, "planned", plan.plan_id),
+    }
+    assert all(p.moves == {"m0": "s0", second: "s1"} for p in out.progress)
+    done = MigrationProgress(job=JOB, event_id=plan.event_id, plan_id=plan.plan_id, state="done")
+    after = planner.on_progress(out.state, done, NOW)
+    assert statuses(after.state) == {
+        "m0": "failed",
+        second: "failed",
+        "s0": "active",
+        "s1": "active",
+        **{m: "active" for m in ("m1", "m2", "m3") if m != second},
+    }
+    assert after.state.generations == {**after.state.generations, **generations}
+
+
+def test_both_replicas_of_a_cell_failing_fall_back_to_the_checkpoint(planner):
+    """m0 and m2 hold pp0 in the two DP replicas: nothing alive has their state."""
+    first = planner.on_event(sample_state(JOB, standbys=2), failure("m0"), NOW)
+    out = planner.on_event(first.state, failure("m2"), NOW)
+    (plan,) = out.plans
+    assert plan.migration == "checkpoint_restart" and plan.restore == "checkpoint"
+    assert {(m.leaver, m.joiner) for m in plan.moves} == {("m0", "s0"), ("m2", "s1")}
+    assert plan.state_sources == {} and not plan.transfers
+    (fallback,) = [p for p in out.progress if p.state == "fallback"]
+    assert "checkpoint restart" in fallback.detail and "m0, m2" in fallback.detail
+    assert "no data-parallel replica" in fallback.detail
+
+
+def test_a_second_failure_without_standby_makes_both_wait(planner):
+    first = planner.on_event(sample_state(JOB, standbys=1), failure("m0"), NOW)
+    (old,) = first.plans
+    event = failure("m1")
+    out = planner.on_event(first.state, event, NOW)
+    assert not out.plans and out.cancelled == [old.plan_id] and not out.state.in_flight
+    assert [q.machine for q in out.state.queued] == ["m0", "m1"]
+    # s0 may already hold m0's role: it is relaunched through maintenance.
+    assert statuses(out.state) | {} == {
+        "m0": "leaving",
+        "m1": "leaving",
+        "m2": "active",
+        "m3": "active",
+        "s0": "maintenance",
+    }
+    assert {(p.event_id, p.state) for p in out.progress} == {
+        (old.event_id, "queued"),
+        (event.event_id, "fallback"),
+    }
+    # One standby back is not enough for two roles; a second one starts one recovery.
+    back = planner.on_heartbeat(out.state, warm_beat("s0"), NOW)
+    assert not back.plans and statuses(back.state)["s0"] == "standby"
+    both = planner.on_heartbeat(back.state, warm_beat("s7"), NOW)
+    (plan,) = both.plans
+    assert {m.leaver for m in plan.moves} == {"m0", "m1"} and not both.state.queued
+    assert plan.state_sources == {"m0": "m2", "m1": "m3"}
+
+
+def test_a_failure_during_a_planned_migration_aborts_it_and_requeues_the_drain(planner):
+    drained = drain("m1", deadline_s=600, ts=NOW)
+    planned = planner.on_event(sample_state(JOB, standbys=2), drained, NOW)
+    (old,) = planned.plans
+    out = planner.on_event(planned.state, failure("m2"), NOW + 1)
+    (plan,) = out.plans
+    assert plan.migration == "unplanned" and plan.supersedes == [old.plan_id]
+    assert [(m.leaver, m.joiner) for m in plan.moves] == [("m2", "s1")]
+    assert plan.state_sources == {"m2": "m0"} and not plan.merged_events
+    # The drain keeps its event id and waits at the head of the queue; its leaver keeps
+    # its role; its joiner may hold m1's role already, so it goes through maintenance.
+    assert [(q.event_id, q.machine) for q in out.state.queued] == [(drained.event_id, "m1")]
+    assert statuses(out.state)["m1"] == "active" and statuses(out.state)["s0"] == "maintenance"
+    (note,) = [p for p in out.progress if p.event_id == drained.event_id]
+    assert note.state == "queued" and "failure of m2" in note.detail
+    # Nothing planned runs beside the recovery, even with a standby free.
+    back = planner.on_heartbeat(out.state, warm_beat("s0"), NOW + 2)
+    assert not back.plans and statuses(back.state)["s0"] == "standby"
+    done = MigrationProgress(job=JOB, event_id=plan.event_id, plan_id=plan.plan_id, state="done")
+    after = planner.on_progress(back.state, done, NOW + 3)
+    (again,) = after.plans
+    assert again.event_id == drained.event_id and again.migration == "planned"
+    assert [(m.leaver, m.joiner) for m in again.moves] == [("m1", "s0")]
+    assert again.deadline_ts is not None and again.deadline_ts <= NOW + 600 + 3
+    # m1's groups were claimed at generation 1 by the aborted plan: now generation 2.
+    assert {g.generation for g in again.groups} == {2}
+
+
+def test_no_planned_migration_beside_a_recovery(planner):
+    recovering = planner.on_event(sample_state(JOB, standbys=2), failure("m0"), NOW)
+    (plan,) = recovering.plans
+    waits = planner.on_event(recovering.state, drain("m3"), NOW)
+    assert not waits.plans and [p.state for p in waits.progress] == ["queued"]
+    slow = planner.on_event(waits.state, straggler("m3"), NOW)
+    assert not slow.plans and slow.progress[0].state == "rejected"
+    done = MigrationProgress(job=JOB, event_id=plan.event_id, plan_id=plan.plan_id, state="done")
+    (queued_plan,) = planner.on_progress(slow.state, done, NOW).plans
+    assert queued_plan.moves[0].leaver == "m3"
+
+
+def test_dead_joiner_of_a_recovery_is_replaced(planner):
+    first = planner.on_event(sample_state(JOB, standbys=2), failure("m0"), NOW)
+    (old,) = first.plans
+    out = planner.on_event(first.state, failure("s0"), NOW)
+    (plan,) = out.plans
+    assert plan.event_id == old.event_id and plan.supersedes == [old.plan_id]
+    assert [(m.leaver, m.joiner) for m in plan.moves] == [("m0", "s1")]
+    assert statuses(out.state)["s0"] == "failed" and out.cancelled == [old.plan_id]
 
 
 def test_leaver_dying_mid_drain_switches_to_the_failure_path(planner):

@@ -9,6 +9,7 @@ from torch.distributed import TCPStore
 
 from trainmover.runtime.data import TokenStream
 from trainmover.runtime.groups import (
+    BuildAbandoned,
     GroupBuilder,
     GroupTable,
     StaleMemberError,
@@ -73,6 +74,21 @@ def test_background_builder_overlaps_with_other_work(store):
     threading.Thread(target=other.allreduce, args=(torch.ones(2),)).start()
     mine.allreduce(t)
     assert t.tolist() == [2.0, 2.0]
+
+
+def test_an_abandoned_build_stops_the_wait_and_shuts_its_groups_down(store):
+    """A member that never comes (a failed machine): the caller gives up once told to,
+    long before the group timeout, and what the builder still finishes is shut down."""
+    alone = spec("tp.z", 0, A, kind="tp")
+    never = spec("pp.z", 0, A, C)
+    builder = GroupBuilder([alone, never], A, client(store), "j", CPU, 5).start()
+    superseded = threading.Event()
+    threading.Timer(0.3, superseded.set).start()
+    with pytest.raises(BuildAbandoned):
+        builder.wait(60, abandon=superseded.is_set)
+    assert not builder.done  # still waiting for C in the background
+    assert builder._done.wait(30)  # the rendezvous times out on its own
+    assert builder.built == []  # the one-member group it built was shut down
 
 
 def make_state(init_seed, seed=7):
