@@ -149,7 +149,13 @@ def soak_config(dump_every: int, standbys: int = 2) -> JobConfig:
 
 #: The local cluster's fast signals, and a short straggler cool-down so the soak can
 #: move a machine that joined a few faults ago.
-SOAK_SIGNALS = {**FAST_SIGNALS, "planner": ["--straggler-cooldown", "20"]}
+SOAK_SIGNALS = {
+    **FAST_SIGNALS,
+    "planner": ["--straggler-cooldown", "20"],
+    # The switch step is picked this many steps ahead of the furthest rank: on a host
+    # this loaded the commit sometimes arrived after 2 steps ("too late").
+    "executor": ["--margin", "5"],
+}
 
 
 def say(text: str) -> None:
@@ -172,6 +178,9 @@ class Soak:
         )
         self.returning: set[str] = set()  # machines on their way back to the pool
         self._restarted: set[str] = set()
+        #: Machines failed by the system without being a fault's target (each reported
+        #: once as a violation).
+        self.unexpected: set[str] = set()
         self._checked_dump = 0
 
     async def run(self) -> SoakReport:
@@ -294,6 +303,12 @@ class Soak:
     async def _settle_returning(self, ctx: FaultContext) -> ClusterState:
         """Restarts killed machines the planner let go; forgets machines back in the pool."""
         state = await ctx.observer.state()
+        # A machine the system failed on its own (a wrong verdict, or collateral damage of
+        # a fault) is repaired too, so the pool does not shrink for good; the accounting
+        # check has reported it as a violation already.
+        failed = {n for n, m in state.machines.items() if m.status == "failed"}
+        self.unexpected |= failed - self.returning
+        self.returning |= failed
         for name in sorted(self.returning):
             status = state.machines[name].status
             if status == "failed" and name not in self._restarted:
@@ -347,6 +362,7 @@ class Soak:
         except TimeoutError as err:
             return [f"{label}: the job stopped training: {err}"]
         out += [f"{label}: {v}" for v in check_replicas(self.config, self._run_dir, dump)]
+        out += self._unexpected_failures(label)
         self._checked_dump = dump
         last: list[str] = []
 
@@ -361,6 +377,10 @@ class Soak:
         except TimeoutError:
             out += [f"{label}: {v}" for v in last]
         return out
+
+    def _unexpected_failures(self, label: str) -> list[str]:
+        found, self.unexpected = sorted(self.unexpected), set()
+        return [f"{label}: {name} was failed by the system, not by the soak" for name in found]
 
     @property
     def _run_dir(self) -> Path:
@@ -394,6 +414,7 @@ class Soak:
         self.report.violations += [
             f"end: {v}" for v in check_replicas(self.config, self._run_dir, final)
         ]
+        self.report.violations += self._unexpected_failures("end")
         self.report.final_step = final
         say(f"final dump step {final}")
 
