@@ -300,5 +300,12 @@ class Migration:
         self.record.step = "failed"
         self.record.error = error
         await self._save(self.record)
+        if self.plan.migration == "planned":
+            # A joiner may hold its role already and cannot give it back: its sidecar
+            # relaunches it as a standby (the planner keeps it in maintenance meanwhile).
+            try:
+                await self._all("abort", sorted(self.plan.joiners()))
+            except Exception as err:  # a dead joiner does not answer; the monitor saw it
+                log.warning("abort_failed", plan_id=self.plan.plan_id, error=str(err))
         await self._progress("failed", error, final=True)
         return self.record
