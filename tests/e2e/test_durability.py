@@ -57,7 +57,8 @@ async def test_server_restart_mid_migration_loses_nothing(cluster: Cluster, refe
     await cluster.wait_step("m1", 10, WAIT_S)
     # Both standbys warm, so both drains are planned at once, well before the last step.
     await cluster.wait_state(
-        lambda s: all(s.machines[m].warm_role_types for m in ("s0", "s1")), WAIT_S
+        lambda s: all(m in s.machines and s.machines[m].warm_role_types for m in ("s0", "s1")),
+        WAIT_S,
     )
     first = await cluster.client.drain(cluster.job, "m1", reason="before the crash")
     await asyncio.wait_for(_reaches(cluster, first, "phase1"), WAIT_S)
