@@ -308,7 +308,11 @@ class Soak:
         # check has reported it as a violation already.
         failed = {n for n, m in state.machines.items() if m.status == "failed"}
         self.unexpected |= failed - self.returning
-        self.returning |= failed
+        # A machine in maintenance returns by itself (a migration the system started on
+        # its own, e.g. for a straggler it saw); it must be back by the end.
+        self.returning |= failed | {
+            n for n, m in state.machines.items() if m.status == "maintenance"
+        }
         for name in sorted(self.returning):
             status = state.machines[name].status
             if status == "failed" and name not in self._restarted:
