@@ -1,4 +1,5 @@
-"""The `trainmover` command line: drain, fail, status, watch, up, service, bench, version.
+"""The `trainmover` command line: drain, fail, status, watch, up, service, demo, bench, chaos,
+version.
 
 Every failure is one line on stderr and a non-zero exit (2 for bad input, 1 for a bus or
 job error), never a traceback.
@@ -154,6 +155,30 @@ async def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from trainmover.chaos import soak
+    from trainmover.chaos.faults import FAULT_KINDS
+
+    try:
+        settings = soak.SoakSettings(
+            duration_s=args.duration,
+            max_faults=args.max_faults,
+            seed=args.seed,
+            kinds=tuple(args.kinds.split(",")) if args.kinds else FAULT_KINDS,
+            workdir=Path(args.workdir) if args.workdir else None,
+            recovery_timeout_s=args.recovery_timeout,
+            dump_every=args.dump_every,
+            standbys=args.standbys,
+            reference=not args.no_reference,
+            in_order=args.in_order,
+        )
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    return soak.main(settings, args.json)
+
+
 def _name(what: str) -> Callable[[str], str]:
     def check(value: str) -> str:
         try:
@@ -235,6 +260,27 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: downtime, rebalance, scale (docs/benchmarks.md)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="benchmark and its options")
 
+    ch = sub.add_parser("chaos", help="soak the local cluster in random faults, check invariants")
+    ch.add_argument(
+        "--duration",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="inject faults for this long (default 600)",
+    )
+    ch.add_argument("--max-faults", type=int, default=40, help="at most this many faults")
+    ch.add_argument("--seed", type=int, help="random seed (default: random, printed)")
+    ch.add_argument("--kinds", help="comma list of fault kinds (default: all)")
+    ch.add_argument("--workdir", help="where runs and logs go (default: temporary)")
+    ch.add_argument("--recovery-timeout", type=float, default=300.0, metavar="SECONDS")
+    ch.add_argument("--dump-every", type=int, default=20, help="steps between state dumps")
+    ch.add_argument("--standbys", type=int, default=2, help="standby machines of the job")
+    ch.add_argument(
+        "--in-order", action="store_true", help="take --kinds in order instead of at random"
+    )
+    ch.add_argument("--no-reference", action="store_true", help="skip the reference run")
+    ch.add_argument("--json", metavar="FILE", help="write the report as JSON")
+
     sub.add_parser("version", help="print the version")
     return p
 
@@ -269,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             from trainmover import demo
 
             return demo.main(args.json, args.steps, args.workdir)
+        if args.command == "chaos":
+            return _chaos(args)
         if args.command == "service":
             extra = (["--nats-url", args.nats_url] if args.nats_url else []) + args.args
             return service_main(args.name)(extra)

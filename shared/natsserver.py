@@ -162,6 +162,12 @@ class EmbeddedNats:
             proc.kill()
             proc.wait()
 
+    def restart(self, kill: bool = True) -> EmbeddedNats:
+        """Stops the server (a crash with `kill`) and starts it again on the same port with
+        the same state directory, as an operator restarting a crashed server would."""
+        self.stop(kill=kill)
+        return self.start()
+
     def cleanup(self) -> None:
         """Stops the server and removes a state directory this instance created."""
         self.stop()

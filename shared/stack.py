@@ -216,6 +216,14 @@ class Stack:
         await proc.wait()
         await self._spawn(name)
 
+    async def restart_bus(self, kill: bool = True) -> None:
+        """Crashes (or stops) the embedded nats-server and starts it again on its port with
+        its JetStream state; every process reconnects on its own."""
+        if self._nats is None:
+            raise RuntimeError("the stack runs against an external server; restart it there")
+        await asyncio.to_thread(self._nats.restart, kill)
+        log.info("bus_restarted", url=self.url, kill=kill)
+
     # --- local cluster ---------------------------------------------------------------------
 
     async def _start_cluster(self, config: JobConfig) -> None:

@@ -96,7 +96,10 @@ class Migration:
         *,
         margin: int = 2,
         timeout_s: float = 120.0,
-        attempt_s: float = 30.0,
+        # Short attempts: a command lost with its connection (a nats-server restart) is
+        # sent again soon, and a retry of a long-running command only waits for the same
+        # run (sidecars answer by command id), so retrying often costs nothing.
+        attempt_s: float = 5.0,
     ) -> None:
         self._nc = nc
         self.record = record
@@ -297,5 +300,12 @@ class Migration:
         self.record.step = "failed"
         self.record.error = error
         await self._save(self.record)
+        if self.plan.migration == "planned":
+            # A joiner may hold its role already and cannot give it back: its sidecar
+            # relaunches it as a standby (the planner keeps it in maintenance meanwhile).
+            try:
+                await self._all("abort", sorted(self.plan.joiners()))
+            except Exception as err:  # a dead joiner does not answer; the monitor saw it
+                log.warning("abort_failed", plan_id=self.plan.plan_id, error=str(err))
         await self._progress("failed", error, final=True)
         return self.record

@@ -45,7 +45,11 @@ class Settings:
     """Seconds a newly watched machine gets for its first heartbeat (default: the timeout)."""
     check_interval: float | None = None
     """How often lapses are checked (default: a tenth of the heartbeat interval)."""
-    watch_statuses: list[str] = field(default_factory=lambda: ["active", "standby", "leaving"])
+    # A joiner is watched too: it dies silently in phase 1 as easily as anyone, and the
+    # planner re-plans its migration only once told (found by the chaos soak).
+    watch_statuses: list[str] = field(
+        default_factory=lambda: ["active", "standby", "leaving", "joining"]
+    )
     straggler_factor: float = 2.0
     straggler_steps: int = 10
     """Consecutive slow steps before a straggler event (and normal ones to clear it)."""
@@ -113,6 +117,7 @@ class Settings:
             "active",
             "standby",
             "leaving",
+            "joining",
             "failed",
             "maintenance",
         }

@@ -5,7 +5,8 @@ standby, leaving by default). Each heartbeat pushes its deadline to `now + timeo
 machine whose deadline passes is *lapsed* and reported once, until a heartbeat brings it
 back. A machine that starts being watched (at service start, or when it appears in the
 cluster state) gets `grace` seconds for its first heartbeat, so a restarted monitor
-does not declare every machine dead before it could hear from them.
+does not declare every machine dead before it could hear from them; likewise, after the
+monitor itself was cut off from the bus, `rebase` restarts every deadline.
 
 Time is an argument (monotonic seconds), so this is tested without clocks or processes.
 """
@@ -111,6 +112,16 @@ class HeartbeatTracker:
         watch.deadline = now + self.timeout_s
         self._schedule((job, machine), watch)
         return recovered
+
+    def rebase(self, now: float) -> None:
+        """The monitor could not hear anyone until `now` (it was cut off from the bus):
+        no silence before `now` counts, so every machine not already down gets a full
+        timeout (the grace, if it was never heard) from now."""
+        for key, watch in self._watches.items():
+            if not watch.down:
+                wait = self.timeout_s if watch.last_seen is not None else self.grace_s
+                watch.deadline = max(watch.deadline, now + wait)
+                self._schedule(key, watch)
 
     def lapsed(self, now: float) -> list[Lapse]:
         """Machines whose deadline passed since the last call; each is reported once."""

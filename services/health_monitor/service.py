@@ -440,9 +440,19 @@ class HealthMonitor:
         tick = self.settings.tick
         expire_every = max(int(1.0 / tick), 1)
         n = 0
+        deaf = False
         while True:
             await asyncio.sleep(tick)
             try:
+                # While our own connection is down we hear nobody: that silence is ours,
+                # not the machines' (a nats-server restart would otherwise fail them all).
+                if self._nc is not None and not self._nc.is_connected:
+                    deaf = True
+                    continue
+                if deaf:
+                    deaf = False
+                    self.tracker.rebase(time.monotonic())
+                    log.info("heartbeat_deadlines_rebased", reason="reconnected to the bus")
                 for lapse in self.tracker.lapsed(time.monotonic()):
                     self._on_lapse(lapse)
                 n += 1

@@ -506,10 +506,15 @@ class Planner:
             return self._serve_queue(Outcome(state), now)
         # Failed or aborted: the executor rolled phase 1 back; the leaver keeps its role
         # (planned) and the joiner goes back to the pool.
-        state = _drop_plan(state, plan, restore_joiner=True)
+        # Its ranks may have built (or claimed) its groups: their generations stay claimed.
+        # Its joiner may hold the role already: the executor has its sidecar relaunch it,
+        # through maintenance, and it returns to the pool once warm.
+        state = _claim_generations(_drop_plan(state, plan, restore_joiner=False), plan)
         for move in plan.moves:
             if state.machines[move.leaver].status == "leaving":
                 state = _set_machine(state, move.leaver, status="active")
+            if state.machines[move.joiner].status == "joining":
+                state = _set_machine(state, move.joiner, status="maintenance", warm_role_types=[])
         return self._serve_queue(Outcome(state), now)
 
     # --- standby pool ------------------------------------------------------------------
@@ -649,7 +654,11 @@ def _generations(state: ClusterState) -> dict[str, int]:
 def _cancel_plan(state: ClusterState, plan: Plan) -> ClusterState:
     """Drops a superseded plan; its groups' generations stay claimed (some ranks may have
     built them: a later incarnation must not reuse their store prefix)."""
-    state = _drop_plan(state, plan, restore_joiner=False)
+    return _claim_generations(_drop_plan(state, plan, restore_joiner=False), plan)
+
+
+def _claim_generations(state: ClusterState, plan: Plan) -> ClusterState:
+    """The generations of `plan`'s groups are never handed out again."""
     claimed = dict(state.claimed_generations)
     for spec in plan.groups:
         claimed[spec.name] = max(claimed.get(spec.name, 0), spec.generation)

@@ -48,6 +48,14 @@ class TrainConfig(BaseModel):
     compile: bool = False
     #: Steps after which every rank writes its full state (for comparisons).
     dump_steps: list[int] = Field(default_factory=list)
+    #: Also write it after every N-th step (0: never); a job that trains until it is
+    #: stopped (the chaos soak) compares its replicas and the reference at these steps.
+    dump_every: int = Field(default=0, ge=0)
+
+    def dumps_at(self, step: int) -> bool:
+        """Whether every rank writes its full state after `step`."""
+        every = self.dump_every
+        return step in self.dump_steps or (every > 0 and step > 0 and step % every == 0)
 
 
 class RuntimeConfig(BaseModel):

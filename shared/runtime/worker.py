@@ -500,7 +500,7 @@ class Runtime:
                 return False
 
     def _maybe_dump(self, step: int) -> None:
-        if step in self.config.train.dump_steps and self._state and self.role:
+        if self.config.train.dumps_at(step) and self._state and self.role:
             path = self.run_dir / "state" / f"{self.role.key}.step{step}.pt"
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -830,11 +830,20 @@ class Runtime:
         """Phase 1: start building my groups of the delta in the background."""
         with self._cond:
             if self._migration is not None:
-                if self._migration.plan.plan_id == plan.plan_id:  # idempotent retry
+                old = self._migration
+                if old.plan.plan_id == plan.plan_id:  # idempotent retry
                     return c.PrepareAck(
-                        step=self._passed, building=[s.name for s in self._migration.builder.specs]
+                        step=self._passed, building=[s.name for s in old.builder.specs]
                     )
-                raise RuntimeError(f"plan {self._migration.plan.plan_id} still in flight")
+                overlap = {g.name for g in old.plan.groups} & {g.name for g in plan.groups}
+                if old.commit_step is not None or old.part == "joiner" or not overlap:
+                    raise RuntimeError(f"plan {old.plan.plan_id} still in flight")
+                # The planner never has two plans rebuilding one group: a newer plan for
+                # these groups means the old one ended in phase 1 (failed or withdrawn)
+                # and nobody will commit it. Its groups are never installed.
+                self.log.warning("plan_replaced", plan_id=old.plan.plan_id, by=plan.plan_id)
+                old.builder.discard()
+                self._migration = None
             if self.me.machine in plan.leavers():
                 part: Part = "leaver"
             elif self.me.machine in plan.joiners():
@@ -855,13 +864,14 @@ class Runtime:
         return c.PrepareAck(step=self._passed, building=[s.name for s in specs])
 
     def _check_generations(self, specs: list[GroupSpec], part: Part) -> None:
-        """A stayer only moves its groups one generation forward: a stale or replayed plan
-        is refused here, before anything is built."""
+        """A stayer only moves its groups forward: a stale or replayed plan is refused
+        here, before anything is built. Generations may be skipped (those of a plan that
+        ended in phase 1 stay claimed: their store prefixes are never reused)."""
         if part != "stayer":
             return
         for spec in specs:
             current = self.groups.get(spec.kind)
-            if current is not None and spec.generation != current.generation + 1:
+            if current is not None and spec.generation <= current.generation:
                 raise ValueError(
                     f"{spec.name}: plan generation {spec.generation}, current {current.generation}"
                 )

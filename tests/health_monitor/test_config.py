@@ -25,7 +25,7 @@ def test_precedence_flags_env_file(tmp_path: Path) -> None:
 def test_defaults_match_the_issue() -> None:
     s = load(["--job", "j1"], env={})
     assert s.heartbeat_interval == 0.5 and s.heartbeat_timeout == 1.5
-    assert s.watch_statuses == ["active", "standby", "leaving"]
+    assert s.watch_statuses == ["active", "standby", "leaving", "joining"]
 
 
 def test_job_config_as_trainmover_up_passes_it(tmp_path: Path) -> None:

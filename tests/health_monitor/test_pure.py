@@ -53,6 +53,22 @@ def test_grace_for_a_newly_watched_machine() -> None:
     assert lapse.last_seen is None and lapse.silent_s == pytest.approx(5.0)
 
 
+def test_rebase_forgives_the_silence_the_monitor_could_not_hear() -> None:
+    t = HeartbeatTracker(timeout_s=1.0, grace_s=5.0)
+    for machine in ("m0", "m1", "m2"):
+        t.watch("j", machine, now=0.0)
+    t.beat("j", "m0", seq=1, now=1.0)
+    t.beat("j", "m2", seq=1, now=0.5)
+    assert [x.machine for x in t.lapsed(1.6)] == ["m2"]  # heard going silent: down
+    # The monitor is off the bus from 1.7 to 10 (it checks nothing meanwhile).
+    t.rebase(10.0)
+    assert t.lapsed(10.9) == []  # m0 gets a whole timeout from the reconnect
+    assert t.beat("j", "m0", seq=2, now=10.5) is False  # it never was down
+    assert [x.machine for x in t.lapsed(14.9)] == ["m0"]  # a silence after the reconnect
+    assert [x.machine for x in t.lapsed(15.0)] == ["m1"]  # never heard: the grace again
+    assert t.lapsed(100.0) == []  # m2 was down before: reported once, not again
+
+
 def test_unwatched_machine_never_lapses() -> None:
     t = HeartbeatTracker(timeout_s=1.0, grace_s=1.0)
     t.watch("j", "m0", now=0.0)

@@ -12,6 +12,7 @@ from trainmover.messages import (
     CollectiveErrorReport,
     FailureEvent,
     Heartbeat,
+    MachineState,
     StepStats,
     StragglerEvent,
     WorkerStatus,
@@ -54,6 +55,22 @@ async def test_missed_heartbeats_yield_exactly_one_failure_event(
     )
     assert scraped[f'trainmover_health_machines_up{{job="{job}"}}'] == 3
     assert scraped['trainmover_health_detection_latency_seconds_count{source="heartbeat"}'] == 2
+
+
+async def test_a_joiner_that_goes_silent_is_reported(
+    nc: NatsClient, job: str, monitor: MonitorFactory, heartbeats
+) -> None:
+    state = sample_state(job)
+    joining = MachineState(status="joining", warm_role_types=["first", "last"])
+    state = state.model_copy(update={"machines": {**state.machines, "s0": joining}})
+    await register_job(nc, job, state)
+    events = await events_of(nc, job)
+    beats = heartbeats(ALL)
+    await monitor()
+    await beats.beat_once()
+    beats.alive.discard("s0")  # killed in phase 1 of the migration it joins
+    event = await events.wait_for(is_event("s0", source="heartbeat"))
+    assert isinstance(event, FailureEvent) and "missed heartbeats" in event.reason
 
 
 async def test_abnormal_worker_exit_yields_failure_event(

@@ -1,0 +1,494 @@
+"""`trainmover chaos`: a soak of random faults on the local cluster, with invariants.
+
+For a fixed wall time and at most N faults, the soak injects a random (seeded, printed)
+sequence of faults (trainmover.chaos.faults) into a TP2 x PP2 x DP2 job that trains until
+it is stopped. After each fault it waits for recovery (the planner settled, the fault's
+machines gone from the layout, killed machines restarted as fresh standbys) and checks:
+
+- the job trains: every active machine goes past the step the job was at;
+- at the next dump step every rank saved that step and data-parallel replicas are
+  bit-identical (trainmover.chaos.invariants.check_replicas);
+- standbys are accounted for (check_accounting, once the planner's view and the
+  sidecars' heartbeats agree, within a deadline).
+
+At the end it stops at a dump step F that every role saved and compares every common
+dump step bit for bit with the same job and seed trained uninterrupted alongside the
+soak (a `LocalJob` started with it, waited for until it passed F). The summary
+gives faults injected and recovered, downtime per fault kind (training time lost in the
+fault's window, and the executor's migration downtimes), and invariant violations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from trainmover.chaos.faults import FAULT_KINDS, INJECTORS, NEEDS_STANDBY, FaultContext, Injection
+from trainmover.chaos.invariants import check_accounting, check_replicas, dump_files
+from trainmover.chaos.observer import Observer
+from trainmover.localcluster import FAST_SIGNALS, LocalCluster
+from trainmover.logs import get_logger
+from trainmover.messages import ClusterState
+from trainmover.runtime.compare import mismatches, state_files
+from trainmover.runtime.config import JobConfig
+from trainmover.runtime.driver import LocalJob
+
+log = get_logger("chaos")
+
+#: The job trains until the soak stops it; nothing in a run depends on `steps`.
+ENDLESS = 100_000_000
+
+
+@dataclass
+class SoakSettings:
+    duration_s: float = 600.0
+    max_faults: int = 40
+    seed: int | None = None
+    kinds: tuple[str, ...] = FAULT_KINDS
+    workdir: Path | None = None
+    recovery_timeout_s: float = 300.0
+    dump_every: int = 20
+    #: Standby machines: every fault but a server restart takes one from the pool until
+    #: its machine is back and warm, so more standbys allow more faults per minute.
+    standbys: int = 2
+    reference: bool = True
+    #: Take `kinds` in their order, round and round, instead of at random.
+    in_order: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds) - set(FAULT_KINDS)
+        if unknown or not self.kinds:
+            raise ValueError(
+                f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(FAULT_KINDS)}"
+            )
+        if self.duration_s <= 0 or self.max_faults < 1 or self.dump_every < 1:
+            raise ValueError("duration, max faults and dump interval must be positive")
+        if self.standbys < 1:
+            raise ValueError("the soak needs at least one standby")
+
+
+@dataclass
+class FaultRecord:
+    index: int
+    kind: str
+    target: str | None
+    detail: str
+    at_s: float
+    step: int
+    recovered: bool = False
+    recovery_s: float | None = None
+    #: Training time lost in the fault's window: wall time minus steps done times the
+    #: normal step time measured before the fault.
+    lost_s: float | None = None
+    migration_downtime_s: list[float] = field(default_factory=list)
+    migrations: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SoakReport:
+    seed: int
+    settings: dict[str, object]
+    faults: list[FaultRecord] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    final_step: int | None = None
+    compared_steps: list[int] = field(default_factory=list)
+    bitexact: bool | None = None
+    wall_s: float = 0.0
+    workdir: str = ""
+
+    def summary(self) -> dict[str, object]:
+        kinds: dict[str, dict[str, object]] = {}
+        for kind in sorted({f.kind for f in self.faults}):
+            mine = [f for f in self.faults if f.kind == kind]
+            lost = [f.lost_s for f in mine if f.lost_s is not None]
+            mig = [d for f in mine for d in f.migration_downtime_s]
+            kinds[kind] = {
+                "injected": len(mine),
+                "recovered": sum(f.recovered for f in mine),
+                "lost_s_median": _median(lost),
+                "lost_s_max": max(lost, default=None),
+                "migration_downtime_s_median": _median(mig),
+                "migration_downtime_s_max": max(mig, default=None),
+                "recovery_s_median": _median([f.recovery_s for f in mine if f.recovery_s]),
+            }
+        violations = [v for f in self.faults for v in f.violations] + self.violations
+        return {
+            "seed": self.seed,
+            "wall_s": round(self.wall_s, 1),
+            "faults_injected": len(self.faults),
+            "faults_recovered": sum(f.recovered for f in self.faults),
+            "invariant_violations": len(violations),
+            "final_step": self.final_step,
+            "bitexact_to_reference": self.bitexact,
+            "by_kind": kinds,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps({"summary": self.summary(), **asdict(self)}, indent=2, default=str)
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def soak_config(dump_every: int, standbys: int = 2) -> JobConfig:
+    """The soak's job: the end-to-end job, training until stopped, dumping regularly."""
+    return JobConfig(job="chaos").with_updates(
+        train={"steps": ENDLESS, "dump_every": dump_every},
+        runtime={"group_timeout_s": 60, "failure_timeout_s": 60},
+        cluster={"standbys": [f"s{i}" for i in range(standbys)], "maintenance_s": 1.0},
+    )
+
+
+#: The local cluster's fast signals, and a short straggler cool-down so the soak can
+#: move a machine that joined a few faults ago.
+SOAK_SIGNALS = {
+    **FAST_SIGNALS,
+    "planner": ["--straggler-cooldown", "20"],
+    # The switch step is picked this many steps ahead of the furthest rank: on a host
+    # this loaded the commit sometimes arrived after 2 steps ("too late").
+    "executor": ["--margin", "5"],
+}
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+class Soak:
+    """One soak run; `run()` returns its report."""
+
+    def __init__(self, settings: SoakSettings) -> None:
+        self.s = settings
+        self.seed = settings.seed if settings.seed is not None else random.randrange(2**31)
+        self.rng = random.Random(self.seed)
+        self.workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="trainmover-chaos-"))
+        self.config = soak_config(settings.dump_every, settings.standbys)
+        self.report = SoakReport(
+            seed=self.seed,
+            settings={k: v for k, v in asdict(settings).items() if k != "workdir"},
+            workdir=str(self.workdir),
+        )
+        self.returning: set[str] = set()  # machines on their way back to the pool
+        self._restarted: set[str] = set()
+        #: Machines failed by the system without being a fault's target (each reported
+        #: once as a violation).
+        self.unexpected: set[str] = set()
+        self._checked_dump = 0
+
+    async def run(self) -> SoakReport:
+        t0 = time.monotonic()
+        say(
+            f"chaos soak: seed {self.seed}, {self.s.duration_s:.0f}s, at most "
+            f"{self.s.max_faults} faults of {', '.join(self.s.kinds)}; workdir {self.workdir}"
+        )
+        # The uninterrupted reference trains alongside the soak (the same job and seed,
+        # until told where to stop), so the comparison at the end does not wait for a
+        # whole second run.
+        reference = None
+        if self.s.reference:
+            reference = await asyncio.to_thread(
+                LocalJob.launch, self.config, self.workdir / "reference", standbys=0, timeout_s=600
+            )
+        try:
+            await self._soak_cluster(t0)
+            if reference is not None and self.report.final_step:
+                await self._compare_reference(reference)
+        finally:
+            if reference is not None:
+                await asyncio.to_thread(reference.close)
+        self.report.wall_s = time.monotonic() - t0
+        return self.report
+
+    async def _soak_cluster(self, t0: float) -> None:
+        cluster = LocalCluster(self.config, self.workdir / "soak", service_args=SOAK_SIGNALS)
+        async with cluster:
+            observer = await Observer(cluster).start()
+            ctx = FaultContext(cluster, observer, self.rng, self.s.recovery_timeout_s)
+            try:
+                await self._soak(ctx, t0)
+                await self._finish(ctx)
+            except Exception as err:  # report what happened so far, never a traceback only
+                log.exception("soak_aborted")
+                self.report.violations.append(f"soak aborted: {type(err).__name__}: {err}")
+            finally:
+                await observer.stop()
+
+    # --- the loop ----------------------------------------------------------------------
+
+    async def _soak(self, ctx: FaultContext, t0: float) -> None:
+        obs = ctx.observer
+        say("waiting for the job to train and the standbys to warm up")
+        await obs.until(
+            lambda: self._pool_ready(ctx, self.s.standbys),
+            self.s.recovery_timeout_s,
+            "a warm standby pool",
+        )
+        await obs.until(self._trains_from(obs, 5), self.s.recovery_timeout_s, "step 5")
+        # The soak's wall time counts from the first fault, not from the cluster's start.
+        first = time.monotonic()
+        say(f"training at step {obs.job_step}; injecting faults")
+        index = 0
+        while index < self.s.max_faults and time.monotonic() - first < self.s.duration_s:
+            if self.s.in_order:
+                kind = self.s.kinds[index % len(self.s.kinds)]
+            else:
+                kind = self.rng.choice(self.s.kinds)
+            if kind in NEEDS_STANDBY:
+                await obs.until(
+                    lambda: self._pool_ready(ctx, 1), self.s.recovery_timeout_s, "a warm standby"
+                )
+            index += 1
+            record = await self._one(ctx, index, kind, t0)
+            self.report.faults.append(record)
+            say(
+                f"#{index} {kind} {record.target or ''}: "
+                + ("recovered" if record.recovered else "NOT RECOVERED")
+                + (f" in {record.recovery_s:.1f}s" if record.recovery_s else "")
+                + (f", lost {record.lost_s:.2f}s" if record.lost_s is not None else "")
+                + (f"; VIOLATIONS {record.violations}" if record.violations else "")
+            )
+            if not record.recovered:
+                break  # the cluster is in an unknown state: stop and report
+
+    async def _one(self, ctx: FaultContext, index: int, kind: str, t0: float) -> FaultRecord:
+        obs = ctx.observer
+        start_step, step_s, t_inject = obs.job_step, obs.step_time(), time.monotonic()
+        progress_before = len(obs.progress)
+        record = FaultRecord(index, kind, None, "", round(t_inject - t0, 1), start_step)
+        try:
+            injection = await INJECTORS[kind](ctx)
+            record.target, record.detail = injection.target, injection.detail
+            log.info("fault_injected", kind=kind, target=injection.target, detail=injection.detail)
+            await obs.until(
+                lambda: self._recovered(ctx, injection),
+                self.s.recovery_timeout_s,
+                f"recovery from {kind} on {injection.target}",
+            )
+            settled = obs.job_step
+            await obs.until(
+                self._trains_from(obs, settled + 2),
+                self.s.recovery_timeout_s,
+                f"training past step {settled + 2}",
+            )
+        except Exception as err:
+            record.violations.append(f"#{index} {kind}: {type(err).__name__}: {err}")
+            return record
+        record.recovered = True
+        record.recovery_s = round(time.monotonic() - t_inject, 2)
+        elapsed, done = time.monotonic() - t_inject, obs.job_step - start_step
+        record.lost_s = round(max(0.0, elapsed - done * step_s), 3) if step_s else None
+        for p in obs.progress[progress_before:]:
+            if p.state in ("done", "failed", "aborted", "fallback"):
+                record.migrations.append(f"{p.state}: {p.leaver} -> {p.joiner}: {p.detail}")
+            if p.state == "done" and p.downtime_s is not None and p.joiner:
+                record.migration_downtime_s.append(round(p.downtime_s, 3))
+        record.violations += await self._invariants(ctx, f"#{index} {kind}")
+        return record
+
+    # --- recovery ----------------------------------------------------------------------
+
+    async def _pool_ready(self, ctx: FaultContext, n: int) -> bool:
+        state = await self._settle_returning(ctx)
+        warm = [m for m in state.machines.values() if m.status == "standby" and m.warm_role_types]
+        return len(warm) >= n and not state.in_flight and not state.queued
+
+    async def _settle_returning(self, ctx: FaultContext) -> ClusterState:
+        """Restarts killed machines the planner let go; forgets machines back in the pool."""
+        state = await ctx.observer.state()
+        # A machine the system failed on its own (a wrong verdict, or collateral damage of
+        # a fault) is repaired too, so the pool does not shrink for good; the accounting
+        # check has reported it as a violation already.
+        failed = {n for n, m in state.machines.items() if m.status == "failed"}
+        self.unexpected |= failed - self.returning
+        # A machine in maintenance returns by itself (a migration the system started on
+        # its own, e.g. for a straggler it saw); it must be back by the end.
+        self.returning |= failed | {
+            n for n, m in state.machines.items() if m.status == "maintenance"
+        }
+        for name in sorted(self.returning):
+            status = state.machines[name].status
+            if status == "failed" and name not in self._restarted:
+                ctx.cluster.stack.kill_machine(name)  # a worker kill leaves its sidecar up
+                await ctx.cluster.stack.machines[name].wait()
+                await ctx.cluster.stack.start_machine(name)
+                self._restarted.add(name)
+                log.info("machine_reprovisioned", machine=name)
+            elif status == "standby":
+                self.returning.discard(name)
+                self._restarted.discard(name)
+        return state
+
+    async def _recovered(self, ctx: FaultContext, injection: Injection) -> bool:
+        self.returning |= injection.killed | injection.left
+        state = await self._settle_returning(ctx)
+        if state.in_flight or state.queued:
+            return False
+        if any(
+            state.machines[m].status in ("active", "leaving", "joining") for m in injection.left
+        ):
+            return False
+        ended = {
+            p.event_id
+            for p in ctx.observer.progress
+            if p.state in ("done", "failed", "aborted", "rejected")
+        }
+        return all(e in ended for e in injection.events)
+
+    def _trains_from(self, obs: Observer, step: int):  # type: ignore[no-untyped-def]
+        async def check() -> bool:
+            state = await obs.state()
+            active = [n for n, m in state.machines.items() if m.status == "active"]
+            return bool(active) and all(obs.steps.get(n, -1) >= step for n in active)
+
+        return check
+
+    # --- invariants ----------------------------------------------------------------------
+
+    async def _invariants(self, ctx: FaultContext, label: str) -> list[str]:
+        obs = ctx.observer
+        out: list[str] = []
+        every = self.s.dump_every
+        dump = (obs.job_step // every + 1) * every
+        try:  # every active machine past the dump step: every rank saved it
+            await obs.until(
+                self._trains_from(obs, dump + 1),
+                self.s.recovery_timeout_s,
+                f"training past dump step {dump}",
+            )
+        except TimeoutError as err:
+            return [f"{label}: the job stopped training: {err}"]
+        out += [f"{label}: {v}" for v in check_replicas(self.config, self._run_dir, dump)]
+        out += self._unexpected_failures(label)
+        self._checked_dump = dump
+        last: list[str] = []
+
+        async def accounted() -> bool:
+            nonlocal last
+            state = await self._settle_returning(ctx)
+            last = check_accounting(self.config, state, obs.beats, self.returning)
+            return not last
+
+        try:
+            await obs.until(accounted, 60.0, "standby accounting")
+        except TimeoutError:
+            out += [f"{label}: {v}" for v in last]
+        return out
+
+    def _unexpected_failures(self, label: str) -> list[str]:
+        found, self.unexpected = sorted(self.unexpected), set()
+        return [f"{label}: {name} was failed by the system, not by the soak" for name in found]
+
+    @property
+    def _run_dir(self) -> Path:
+        return self.workdir / "soak" / "run"
+
+    async def _finish(self, ctx: FaultContext) -> None:
+        """Every machine back in the pool or training; then a final dump step."""
+        obs = ctx.observer
+        say("faults done; waiting for the pool to refill")
+        last: list[str] = []
+
+        async def refilled() -> bool:
+            nonlocal last
+            state = await self._settle_returning(ctx)
+            last = check_accounting(self.config, state, obs.beats, self.returning)
+            return not self.returning and not last
+
+        try:
+            await obs.until(refilled, self.s.recovery_timeout_s, "the pool to refill")
+        except TimeoutError:
+            self.report.violations += [f"end: {v}" for v in last] or [
+                f"end: machines never came back: {sorted(self.returning)}"
+            ]
+        every = self.s.dump_every
+        final = (obs.job_step // every + 1) * every
+        await obs.until(
+            self._trains_from(obs, final + 1),
+            self.s.recovery_timeout_s,
+            f"training past the final dump step {final}",
+        )
+        self.report.violations += [
+            f"end: {v}" for v in check_replicas(self.config, self._run_dir, final)
+        ]
+        self.report.violations += self._unexpected_failures("end")
+        self.report.final_step = final
+        say(f"final dump step {final}")
+
+    async def _compare_reference(self, reference: LocalJob) -> None:
+        final = self.report.final_step
+        assert final is not None
+        say(f"waiting for the uninterrupted reference to reach step {final}")
+        ref_dir = self.workdir / "reference"
+
+        def reach() -> None:
+            # Step final + 1 done: every rank passed the boundary after `final` (its dump).
+            reference.set_limit(max(reference.limit, final + 1))
+            reference.wait_step(final + 1, timeout_s=max(600.0, final * 2.0))
+
+        await asyncio.to_thread(reach)
+        steps = sorted(
+            s
+            for s in range(self.s.dump_every, final + 1, self.s.dump_every)
+            if dump_files(self._run_dir, s)
+        )
+        differences: list[str] = []
+        for step in steps:
+            differences += [
+                f"step {step}: {d}"
+                for d in mismatches(state_files(self._run_dir, step), state_files(ref_dir, step))
+            ]
+        self.report.compared_steps = steps
+        self.report.bitexact = not differences and final in steps
+        self.report.violations += [f"reference: {d}" for d in differences[:20]]
+        say(
+            f"compared {len(steps)} dump steps with the reference: "
+            + ("bit-identical" if self.report.bitexact else f"{len(differences)} differences")
+        )
+
+
+def print_summary(report: SoakReport) -> None:
+    summary = report.summary()
+    print()
+    print(f"chaos soak summary (seed {report.seed}, {summary['wall_s']}s)")
+    print(
+        f"faults injected {summary['faults_injected']}, recovered {summary['faults_recovered']}, "
+        f"invariant violations {summary['invariant_violations']}, final step "
+        f"{summary['final_step']}, bit-identical to the reference: {summary['bitexact_to_reference']}"
+    )
+    print(
+        f"{'kind':<14}{'n':>3}{'ok':>4}{'lost med':>10}{'lost max':>10}{'mig med':>9}{'mig max':>9}"
+    )
+    by_kind: dict[str, dict[str, object]] = summary["by_kind"]  # type: ignore[assignment]
+    for kind, row in by_kind.items():
+        print(
+            f"{kind:<14}{row['injected']:>3}{row['recovered']:>4}"
+            + "".join(f"{_fmt(row[k]):>10}" for k in ("lost_s_median", "lost_s_max"))
+            + "".join(
+                f"{_fmt(row[k]):>9}"
+                for k in ("migration_downtime_s_median", "migration_downtime_s_max")
+            )
+        )
+    violations = [v for f in report.faults for v in f.violations] + report.violations
+    for v in violations:
+        print(f"VIOLATION: {v}")
+
+
+def _fmt(value: object) -> str:
+    return "-" if value is None else f"{value:.2f}s"  # type: ignore[str-format]
+
+
+def main(settings: SoakSettings, json_path: str | None) -> int:
+    report = asyncio.run(Soak(settings).run())
+    print_summary(report)
+    if json_path:
+        Path(json_path).write_text(report.to_json())
+    ok = report.summary()["invariant_violations"] == 0 and report.bitexact is not False
+    return 0 if ok else 1

@@ -1,0 +1,109 @@
+"""The soak's invariant checks on hand-made inputs: each catches what it is meant to."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainmover.chaos.invariants import check_accounting, check_replicas
+from trainmover.chaos.soak import SoakSettings, soak_config
+from trainmover.messages import ClusterState, Heartbeat, MachineState, WorkerStatus
+from trainmover.runtime.layout import MachineRole
+
+CONFIG = soak_config(dump_every=10)
+
+
+def _save(run: Path, machine: str, role: str, step: int, weight: float, adam_step: int = 3):
+    path = run / machine / "state" / f"{role}.step{step}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = {"step": step, "stateful": {"data": {"pos": hash(role)}}, "optim_scalars": {"0": {}}}
+    tensors = {
+        "model.w": torch.full((3,), weight),
+        "optim.0.step": torch.tensor(float(adam_step)),
+        "rng.torch": torch.randint(0, 255, (8,), dtype=torch.uint8),  # per replica
+    }
+    torch.save({"header": header, "tensors": tensors}, path)
+
+
+def _all_roles(run: Path, step: int, weight_of=lambda role: 1.0) -> None:
+    lay = CONFIG.layout
+    for dp in range(lay.dp):
+        for pp in range(lay.pp):
+            for tp in range(lay.tp):
+                role = f"d{dp}p{pp}t{tp}"
+                _save(run, f"m{dp * lay.pp + pp}", role, step, weight_of(role) + pp + tp / 10)
+
+
+def test_replicas_that_agree_pass(tmp_path: Path) -> None:
+    _all_roles(tmp_path, 20)
+    assert check_replicas(CONFIG, tmp_path, 20) == []
+
+
+def test_a_replica_one_step_ahead_is_caught(tmp_path: Path) -> None:
+    _all_roles(tmp_path, 20, weight_of=lambda role: 2.0 if role == "d1p1t0" else 1.0)
+    (violation,) = check_replicas(CONFIG, tmp_path, 20)
+    assert "replicas d0 and d1 of p1t0 differ" in violation and "model.w" in violation
+
+
+def test_a_missing_rank_and_a_diverged_duplicate_are_caught(tmp_path: Path) -> None:
+    _all_roles(tmp_path, 20)
+    (tmp_path / "m0" / "state" / "d0p0t1.step20.pt").unlink()
+    _save(tmp_path, "s0", "d1p0t0", 20, weight=5.0)  # the role saved again, differently
+    violations = check_replicas(CONFIG, tmp_path, 20)
+    assert any("d0p0t1 saved no state" in v for v in violations)
+    assert any("d1p0t0 saved twice, differently" in v for v in violations)
+
+
+def _state(**statuses: tuple[str, MachineRole | None]) -> ClusterState:
+    return ClusterState(
+        job=CONFIG.job,
+        layout=CONFIG.layout,
+        machines={n: MachineState(status=s, cell=c) for n, (s, c) in statuses.items()},
+    )
+
+
+def _beat(machine: str, status: str, exited: bool = False) -> Heartbeat:
+    worker = WorkerStatus(
+        local_rank=0,
+        pid=1,
+        state="exited" if exited else "running",
+        exit_code=9 if exited else None,
+    )
+    return Heartbeat(job=CONFIG.job, machine=machine, seq=1, status=status, workers=[worker])
+
+
+def _healthy() -> tuple[dict, dict]:
+    cells = CONFIG.layout.cells()
+    machines = {f"m{i}": ("active", cell) for i, cell in enumerate(cells)}
+    machines |= {"s0": ("standby", None), "s1": ("standby", None)}
+    beats = {n: _beat(n, s) for n, (s, _) in machines.items()}
+    return machines, beats
+
+
+def test_a_settled_cluster_is_accounted_for() -> None:
+    machines, beats = _healthy()
+    assert check_accounting(CONFIG, _state(**machines), beats, set()) == []
+
+
+def test_accounting_catches_a_lost_machine_a_gap_and_a_disagreement() -> None:
+    machines, beats = _healthy()
+    machines["s1"] = ("failed", None)  # failed, and nobody brings it back
+    machines["m3"] = ("standby", None)  # its cell is left without an active machine
+    beats["m1"] = _beat("m1", "standby")  # the sidecar thinks otherwise than the planner
+    beats["m2"] = _beat("m2", "active", exited=True)
+    violations = check_accounting(CONFIG, _state(**machines), beats, set())
+    assert any("s1 is failed and nobody brings it back" in v for v in violations)
+    assert any("cell dp1 pp1 has 0 active machines" in v for v in violations)
+    assert any("m1: planner says active, its sidecar says standby" in v for v in violations)
+    assert any("m2 is active with an exited worker" in v for v in violations)
+    # A machine the soak is bringing back may be failed meanwhile.
+    machines, beats = _healthy()
+    machines["s1"] = ("failed", None)
+    assert check_accounting(CONFIG, _state(**machines), beats, {"s1"}) == []
+
+
+def test_settings_refuse_unknown_fault_kinds() -> None:
+    with pytest.raises(ValueError, match="unknown fault kinds \\['power'\\]"):
+        SoakSettings(kinds=("drain", "power"))

@@ -1,0 +1,63 @@
+"""`trainmover chaos`, bounded: three faults of three kinds, invariants hold, the run ends
+bit-identical to the uninterrupted reference. The 10-minute soak is not part of the
+test suite; it is the same command with its defaults (docs/operations.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KINDS = ("machine_kill", "drain", "nats_restart")
+
+
+def _chaos(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainmover.cli", "chaos", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_bad_fault_kind_is_one_clear_line() -> None:
+    result = _chaos("--kinds", "drain,meteor", timeout=120)
+    assert result.returncode == 2
+    assert "unknown fault kinds ['meteor']" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(2400)
+def test_three_faults_recovered_without_violations(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    result = _chaos(
+        "--kinds",
+        ",".join(KINDS),
+        "--in-order",
+        "--max-faults",
+        "3",
+        "--seed",
+        "3",
+        "--dump-every",
+        "10",
+        "--workdir",
+        str(tmp_path / "run"),
+        "--json",
+        str(out),
+        timeout=2300,
+    )
+    printed = result.stdout
+    assert "chaos soak summary (seed 3" in printed, printed[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert summary["faults_injected"] == 3 and summary["faults_recovered"] == 3, printed[-3000:]
+    assert [f["kind"] for f in report["faults"]] == list(KINDS)
+    assert summary["invariant_violations"] == 0, report["violations"]
+    assert summary["bitexact_to_reference"] is True
+    assert report["compared_steps"][-1] == summary["final_step"]
+    # The machine that was killed came back and ends as a standby or an active member.
+    assert sorted(summary["by_kind"]) == sorted(KINDS)
+    assert result.returncode == 0
