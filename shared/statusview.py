@@ -73,8 +73,8 @@ def in_flight_table(state: ClusterState, migrations: list[MigrationProgress]) ->
             plan.plan_id[:8],
         )
     # A migration whose plan the state no longer lists (e.g. an executor's recovery)
-    # is still in flight until a terminal progress arrives.
-    listed = {p.event_id for p in state.in_flight.values()}
+    # is still in flight until a terminal progress arrives; a queued one has its own row.
+    listed = {p.event_id for p in state.in_flight.values()} | {q.event_id for q in state.queued}
     for m in migrations:
         if m.state not in TERMINAL_STATES and m.event_id not in listed:
             who = f"{m.leaver or '?'} -> {m.joiner or '?'}"

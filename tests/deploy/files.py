@@ -18,11 +18,15 @@ from typing import Any
 import yaml
 
 from trainmover import ports
+from trainmover.service import http_parser
 from trainmover.services.health_monitor import config as hm_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
+
+LOOPBACK = http_parser("any", 0).parse_args([]).http_host
+"""`--http-host` of the services built on trainmover.service.http_parser, when not given."""
 
 OWNED_ELSEWHERE = ("nats",)
 """deploy/ folders other work owns and tests (deploy/nats/: the NATS cluster config)."""
@@ -123,6 +127,13 @@ def check_command(argv: list[str]) -> ServiceCommand:
     assert flags.get("--http-port") == str(ports.DEFAULT_HTTP_PORTS[service]), (
         f"{service}: --http-port {flags.get('--http-port')} is not its port "
         f"{ports.DEFAULT_HTTP_PORTS[service]} (trainmover.ports.DEFAULT_HTTP_PORTS)"
+    )
+    # Probes, Prometheus and Alertmanager come from other hosts (or the pod's address):
+    # a service listening on its loopback default would look dead to all of them.
+    default_host = hm_config.Settings().http_host if service == "health-monitor" else LOOPBACK
+    assert flags.get("--http-host", default_host) == "0.0.0.0", (
+        f"{service}: /healthz and /metrics would listen on "
+        f"{flags.get('--http-host', default_host)} only; pass --http-host 0.0.0.0"
     )
     if service == "health-monitor":
         parse_health_monitor_flags(rest)

@@ -17,6 +17,8 @@ from trainmover.runtime.records import NatsRecordStore, open_record_store
 from trainmover.runtime.sandbox import DirectoryRecordStore, Recorder, load_record, record_key
 from trainmover.subjects import JobSubjects
 
+# Workers importing torch on a loaded host take minutes to say hello.
+pytestmark = pytest.mark.timeout(1200)
 WAIT_S = 400.0
 
 
