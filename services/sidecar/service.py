@@ -331,11 +331,26 @@ class Sidecar:
 
     async def _warm_quietly(self) -> None:
         """A standby warms up as soon as its workers are up; a failure leaves it cold
-        (the planner never picks it) and is logged with its reason."""
-        try:
-            await self._warm(self.s.command_timeout_s)
-        except Exception as err:
-            log.error("warm_up_failed", job=self.job, machine=self.machine, error=str(err))
+        (the planner never picks it) and is logged with its reason. Workers that are
+        alive but slow (each imports torch; a loaded host takes minutes) are waited for
+        again: giving up on them would leave a healthy standby cold for good."""
+        while True:
+            try:
+                await self._warm(self.s.command_timeout_s)
+                return
+            except TimeoutError as err:
+                if not self.workers.running():
+                    log.error("warm_up_failed", job=self.job, machine=self.machine, error=str(err))
+                    return
+                log.warning(
+                    "warm_up_slow",
+                    job=self.job,
+                    machine=self.machine,
+                    reason=f"{err}; its workers are alive, waiting again",
+                )
+            except Exception as err:
+                log.error("warm_up_failed", job=self.job, machine=self.machine, error=str(err))
+                return
 
     async def _release(self, plan: Plan, timeout: float) -> dict[str, object]:
         """After the leaver's switch: its workers exit, maintenance, then back as a standby."""
