@@ -37,7 +37,7 @@ from trainmover.bench.report import (
     ratio,
     summary,
 )
-from trainmover.bench.scale_worker import LEAVER
+from trainmover.bench.scale_worker import LEAVER, my_specs, rank_ref
 from trainmover.runtime.layout import Layout
 
 #: Projected layouts (TP x PP x DP): 1,024 .. 65,536 GPUs, TP inside an 8-GPU machine.
@@ -104,26 +104,42 @@ class ScaleWorld:
         self.store.wait([f"hello/{r}" for r in range(self.n)])
         self.round = 0
 
+        #: Tasks handed to each rank so far (its next task key is the count + 1).
+        self.tasks = [0] * self.n
+        #: The ranks with groups to build in each mode.
+        self.members = {
+            mode: [r for r in range(self.n) if my_specs(layout, rank_ref(layout, r), mode, 1)]
+            for mode in ("delta", "full")
+        }
+
+    def _hand(self, ranks: list[int], task: dict[str, Any]) -> None:
+        keys = []
+        for r in ranks:
+            self.tasks[r] += 1
+            keys.append(f"task/{r}/{self.tasks[r]}")
+        self.store.multi_set(keys, [json.dumps(task)] * len(keys))
+
     def build(self, mode: str) -> dict[str, Any]:
-        """One round: every rank of `mode` rebuilds its groups; the slowest decides."""
+        """One round: every rank of `mode` rebuilds its groups; the slowest decides. The
+        round ends when every participant has shut its new groups down again."""
         self.round += 1
+        ranks = self.members[mode]
         go = time.time()
-        self.store.set(f"round{self.round}/mode", mode)
-        keys = [f"round{self.round}/done/{r}" for r in range(self.n)]
+        self._hand(ranks, {"mode": mode, "round": self.round})
+        keys = [f"round{self.round}/done/{r}" for r in ranks]
         self.store.wait(keys)
         done = [json.loads(self.store.get(k)) for k in keys]
         self.store.set(f"round{self.round}/close", "1")
-        busy = [d for d in done if d["groups"]]
+        self.store.wait([f"round{self.round}/closed/{r}" for r in ranks])
         return {
             "mode": mode,
-            "setup_s": max(d["t_end"] for d in busy) - go,
-            "slowest_rank_build_s": max(d["t_end"] - d["t_start"] for d in busy),
-            "ranks_building": len(busy),
+            "setup_s": max(d["t_end"] for d in done) - go,
+            "slowest_rank_build_s": max(d["t_end"] - d["t_start"] for d in done),
+            "ranks_building": len(done),
         }
 
     def close(self) -> None:
-        self.round += 1
-        self.store.set(f"round{self.round}/mode", "end")
+        self._hand(list(range(self.n)), {"mode": "end"})
         for p in self.procs:
             try:
                 p.wait(timeout=30)
