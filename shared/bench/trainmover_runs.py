@@ -104,13 +104,6 @@ class TrainMoverJob:
         self.job.wait_step(steady_from + warm_steps)
         return steady_from
 
-    def run_for(self, seconds: float) -> None:
-        """Lets the job train freely for `seconds` (rebalance benchmark)."""
-        deadline = time.time() + seconds
-        while time.time() < deadline:
-            self.job.set_limit(self.job.current_step() + 1_000)
-            time.sleep(min(1.0, max(0.0, deadline - time.time())))
-
     def leaver(self) -> str:
         return next(m for m, cell in self.job.assignment.items() if cell == CELL)
 
