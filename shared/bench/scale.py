@@ -37,7 +37,7 @@ from trainmover.bench.report import (
     ratio,
     summary,
 )
-from trainmover.bench.scale_worker import LEAVER, my_specs, rank_ref
+from trainmover.bench.scale_worker import LEAVER, MODES, mode_groups, my_specs, rank_ref
 from trainmover.runtime.layout import Layout
 
 #: Projected layouts (TP x PP x DP): 1,024 .. 65,536 GPUs, TP inside an 8-GPU machine.
@@ -63,6 +63,12 @@ def counts(layout: Layout) -> dict[str, dict[str, int]]:
             "rank_connections": path,
             "ranks": tp * (pp + dp - 1),
         },
+        "fixed": {
+            "groups": 1 + tp,  # its TP group; a PP group per TP rank
+            "connections": pairs(tp) + tp * pairs(pp),
+            "rank_connections": (tp - 1) + (pp - 1),
+            "ranks": tp * pp,
+        },
         "full": {
             "groups": pp * dp + dp * tp + pp * tp,
             "connections": pp * dp * pairs(tp) + dp * tp * pairs(pp) + pp * tp * pairs(dp),
@@ -81,6 +87,9 @@ def check_counts(layout: Layout) -> None:
     assert c["full"]["connections"] == sum(pairs(len(m)) for _, m in groups.values())
     assert c["delta"]["groups"] == len(delta), (layout, delta)
     assert c["delta"]["connections"] == sum(pairs(len(groups[n][1])) for n in delta)
+    fixed = mode_groups(layout, "fixed") or []
+    assert c["fixed"]["groups"] == len(fixed), (layout, fixed)
+    assert c["fixed"]["connections"] == sum(pairs(len(groups[n][1])) for n in fixed)
 
 
 class ScaleWorld:
@@ -109,7 +118,7 @@ class ScaleWorld:
         #: The ranks with groups to build in each mode.
         self.members = {
             mode: [r for r in range(self.n) if my_specs(layout, rank_ref(layout, r), mode, 1)]
-            for mode in ("delta", "full")
+            for mode in MODES
         }
 
     def _hand(self, ranks: list[int], task: dict[str, Any]) -> None:
@@ -184,7 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> Result:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-bench-scale-"))
     result = Result("scale", worlds=args.worlds, repeats=args.repeats, run_dir=str(run_dir))
-    progress = Progress("scale", len(args.worlds) * args.repeats * 2)
+    progress = Progress("scale", len(args.worlds) * args.repeats * len(MODES))
     measured: list[dict[str, Any]] = []
     for n in args.worlds:
         layout = Layout(tp=2, pp=2, dp=max(1, n // 4))
@@ -192,7 +201,7 @@ def run(args: argparse.Namespace) -> Result:
         world = ScaleWorld(layout, run_dir)
         try:
             for _ in range(args.repeats):
-                for mode in ("delta", "full"):
+                for mode in MODES:
                     row = {"world": n, **world.build(mode), **counts(layout)[mode]}
                     measured.append(row)
                     progress.step(f"{n} ranks {mode}: {row['setup_s']:.3f} s")
@@ -202,12 +211,14 @@ def run(args: argparse.Namespace) -> Result:
     by = {
         mode: {n: summary(r["setup_s"] for r in measured if r["world"] == n and r["mode"] == mode)
                for n in args.worlds}
-        for mode in ("delta", "full")
+        for mode in MODES
     }  # fmt: skip
     result.set("measured.setup_s", {m: {str(n): s for n, s in v.items()} for m, v in by.items()})
     lo, hi = min(args.worlds), max(args.worlds)
     result.set("measured.delta_growth", ratio(by["delta"][hi]["median"], by["delta"][lo]["median"]),
                "too few worlds")  # fmt: skip
+    result.set("measured.fixed_growth",
+               ratio(by["fixed"][hi]["median"], by["fixed"][lo]["median"]), "too few worlds")  # fmt: skip
     result.set("measured.full_growth", ratio(by["full"][hi]["median"], by["full"][lo]["median"]),
                "too few worlds")  # fmt: skip
     model = fit(measured)
@@ -231,11 +242,19 @@ def table(result: Result) -> str:
     setup = g("measured.setup_s")
     worlds = list(setup["delta"])
     out = "Measured group setup on loopback (s, median (min–max))\n\n"
+    rounds = g("measured.rounds")
+
+    def conns(n: str, mode: str) -> int:
+        return next(r["connections"] for r in rounds if str(r["world"]) == n and r["mode"] == mode)
+
     out += markdown_table(
-        ["ranks", "delta", "full rebuild"],
-        [[n, fmt_stats(setup["delta"][n]), fmt_stats(setup["full"][n])] for n in worlds],
-    )
-    out += f"\nGrowth {worlds[0]} -> {worlds[-1]} ranks: delta x{_num(g('measured.delta_growth'))}, full x{_num(g('measured.full_growth'))}\n"
+        ["ranks", "delta", "delta connections", "fixed (TP + PP groups)", "full rebuild",
+         "full connections"],
+        [[n, fmt_stats(setup["delta"][n]), conns(n, "delta"), fmt_stats(setup["fixed"][n]),
+          fmt_stats(setup["full"][n]), conns(n, "full")] for n in worlds],
+    )  # fmt: skip
+    growth = ", ".join(f"{m} x{_num(g(f'measured.{m}_growth'))}" for m in MODES)
+    out += f"\nGrowth {worlds[0]} -> {worlds[-1]} ranks: {growth}\n"
     m = g("model")
     out += (f"\nModel: t = {m['a_s']:.4f} s + {m['b_s_per_rank_connection']:.5f} s x busiest-rank "
             f"connections + {m['c_s_per_connection']:.6f} s x all connections rebuilt\n\n")  # fmt: skip
@@ -261,6 +280,7 @@ def write(result: Result, json_path: Path) -> None:
     worlds = list(setup["delta"])
     plot.lines(png, "Group setup time vs world size (loopback, gloo)", [int(n) for n in worlds],
                {"delta (5 groups)": [setup["delta"][n] for n in worlds],
+                "fixed (the delta's TP + PP groups)": [setup["fixed"][n] for n in worlds],
                 "full rebuild": [setup["full"][n] for n in worlds]},
                "ranks", "seconds")  # fmt: skip
 

@@ -5,8 +5,8 @@
 Task after task (`task/<rank>/<i>`, set by the harness only for the ranks that take
 part in a round, so the others sleep in the store and cost nothing), builds the groups
 of the round's mode at a new generation with the runtime's `build_group` ("delta": only
-the groups of the machine serving cell (dp 0, pp 0) that contain me; "full": all my
-groups; "end": exit), reports when it was done, and shuts them down once the harness
+the groups of the machine serving cell (dp 0, pp 0) that contain me; "fixed": those of
+them that are not DP groups; "full": all my groups; "end": exit), reports when it was done, and shuts them down once the harness
 says every rank is done, reporting that too: the next round starts only after every
 teardown, so no round pays for the previous one's.
 """
@@ -37,10 +37,26 @@ def rank_ref(layout: Layout, rank: int) -> RankRef:
     return RankRef(machine=f"m{machine}", local_rank=tp)
 
 
+#: Round modes: the leaver's delta; its groups whose size does not depend on DP (its
+#: TP group and PP groups: the same groups in every TP2 x PP2 x DPn world); every group.
+MODES = ("delta", "fixed", "full")
+
+
+def mode_groups(layout: Layout, mode: str) -> list[str] | None:
+    """Names of the groups a round of `mode` rebuilds (None: all)."""
+    if mode == "full":
+        return None
+    delta = layout.groups_containing(layout.roles_of(LEAVER))
+    if mode == "fixed":
+        kinds = layout.all_groups()
+        return [n for n in delta if kinds[n][0] != "dp"]
+    return delta
+
+
 def my_specs(layout: Layout, me: RankRef, mode: str, generation: int) -> list[GroupSpec]:
     """The groups `me` rebuilds in this round, in the global build order (by name)."""
     assignment = {f"m{i}": cell for i, cell in enumerate(layout.cells())}
-    names = None if mode == "full" else layout.groups_containing(layout.roles_of(LEAVER))
+    names = mode_groups(layout, mode)
     gens = dict.fromkeys(layout.all_groups(), generation)
     specs = group_specs(layout, assignment, gens, names)
     return sorted((s for s in specs if s.group_rank(me) is not None), key=lambda s: s.name)
