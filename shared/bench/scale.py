@@ -122,11 +122,9 @@ class ScaleWorld:
         }
 
     def _hand(self, ranks: list[int], task: dict[str, Any]) -> None:
-        keys = []
         for r in ranks:
             self.tasks[r] += 1
-            keys.append(f"task/{r}/{self.tasks[r]}")
-        self.store.multi_set(keys, [json.dumps(task)] * len(keys))
+            self.store.set(f"task/{r}/{self.tasks[r]}", json.dumps(task))
 
     def build(self, mode: str) -> dict[str, Any]:
         """One round: every rank of `mode` rebuilds its groups; the slowest decides. The
