@@ -28,7 +28,7 @@ from trainmover.bench.report import (
     ratio,
     successes,
 )
-from trainmover.bench.settings import add_job_arguments, config_from_args
+from trainmover.bench.settings import add_job_arguments, config_from_args, harness_timeout_s
 from trainmover.bench.trainmover_runs import VARIANTS, TrainMoverJob
 
 #: JSON key of each TrainMover variant's planned downtime.
@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> Result:
                         run_dir / f"torchft-{rep}-{hb:g}",
                         hb,
                         args.warm_steps,
+                        harness_timeout_s(config),
                     )
                 )
                 record(f"torchft.hb{hb:g}", out)

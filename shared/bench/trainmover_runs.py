@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainmover.bench.memory import RssSampler
+from trainmover.bench.settings import harness_timeout_s
 from trainmover.runtime.bench import (
     CELL,
     first_iterations,
@@ -45,7 +46,9 @@ class TrainMoverJob:
 
     def __init__(self, config: JobConfig, run_dir: Path, standbys: int = 1, margin: int = 3):
         self.config, self.margin = config, margin
-        self.job = LocalJob.launch(config, run_dir, standbys=standbys, limit=1, timeout_s=600)
+        self.job = LocalJob.launch(
+            config, run_dir, standbys=standbys, limit=1, timeout_s=harness_timeout_s(config)
+        )
         #: Standbys that ran shadow iterations (warmth cannot be undone: a cold joiner
         #: must be a standby never warmed).
         self.warmed: set[str] = set()
