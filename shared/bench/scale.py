@@ -193,17 +193,22 @@ def run(args: argparse.Namespace) -> Result:
     result = Result("scale", worlds=args.worlds, repeats=args.repeats, run_dir=str(run_dir))
     progress = Progress("scale", len(args.worlds) * args.repeats * len(MODES))
     measured: list[dict[str, Any]] = []
-    for n in args.worlds:
-        layout = Layout(tp=2, pp=2, dp=max(1, n // 4))
-        progress.note(f"starting {n} rank processes")
-        world = ScaleWorld(layout, run_dir)
-        try:
-            for _ in range(args.repeats):
+    # Every world is alive at once and rounds alternate between them: the shared cores'
+    # load drifts over minutes, and measuring the worlds one after the other would
+    # turn that drift into a trend with world size. Idle ranks sleep in the store.
+    worlds: dict[int, ScaleWorld] = {}
+    try:
+        for n in args.worlds:
+            progress.note(f"starting {n} rank processes")
+            worlds[n] = ScaleWorld(Layout(tp=2, pp=2, dp=max(1, n // 4)), run_dir)
+        for _ in range(args.repeats):
+            for n, world in worlds.items():
                 for mode in MODES:
-                    row = {"world": n, **world.build(mode), **counts(layout)[mode]}
+                    row = {"world": n, **world.build(mode), **counts(world.layout)[mode]}
                     measured.append(row)
                     progress.step(f"{n} ranks {mode}: {row['setup_s']:.3f} s")
-        finally:
+    finally:
+        for world in worlds.values():
             world.close()
     result.set("measured.rounds", measured)
     by = {
