@@ -96,6 +96,8 @@ def test_downtime(tmp_path: Path) -> None:
     assert not any(r["warm_joiner"] for r in runs["trainmover.no_shadow"])
 
 
+# 6 process starts and the standbys' shadow iterations on 2 shared cores.
+@pytest.mark.timeout(1200)
 def test_rebalance(tmp_path: Path) -> None:
     out = tmp_path / "rebalance.json"
     args = ["rebalance", "--json", str(out), *SMALL, "--period", "6", "--duration", "12",
