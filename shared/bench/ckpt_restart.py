@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from trainmover.bench.ckpt_train import latest_complete
 from trainmover.bench.role import read_events
+from trainmover.bench.settings import harness_timeout_s
 from trainmover.runtime.config import JobConfig, save_config
 
 T = TypeVar("T")
@@ -74,7 +75,7 @@ class TorchrunJob:
         self.world = config.layout.tp * config.layout.machines
         self.launches = 0
         self.agents: list[subprocess.Popen[bytes]] = []
-        self.timeout_s = 300.0
+        self.timeout_s = harness_timeout_s(config)
 
     # -- processes ---------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from trainmover.bench.report import (
     ratio,
     successes,
 )
-from trainmover.bench.settings import add_job_arguments, config_from_args
+from trainmover.bench.settings import add_job_arguments, config_from_args, harness_timeout_s
 from trainmover.bench.trainmover_runs import VARIANTS, TrainMoverJob
 
 #: JSON key of each TrainMover variant's planned downtime.
@@ -82,18 +82,14 @@ def run(args: argparse.Namespace) -> Result:
 
     progress.note(f"starting TrainMover's job ({config.layout.machines} machines) in {run_dir}")
     with TrainMoverJob(config, run_dir / "trainmover", standbys=1) as tm:
-        used_standby = False
         for rep in range(args.repeats):
             for variant in VARIANTS:
-                if variant == "no_shadow":
-                    out = attempt(partial(tm.planned, "no_shadow", 0))
-                else:
-                    steady = tm.settle(args.warm_steps, add_standby=used_standby)
-                    out = attempt(partial(tm.planned, variant, steady))
-                    used_standby = used_standby or isinstance(out, dict)
+                steady = tm.settle(args.warm_steps, warm=variant != "no_shadow")
+                out = attempt(partial(tm.planned, variant, steady))
                 record(f"trainmover.{variant}", out)
                 progress.step(f"rep {rep + 1} trainmover {variant}: {_short(out)}")
-            out = attempt(partial(tm.failure, 0))
+            steady = tm.settle(args.warm_steps, warm=True)
+            out = attempt(partial(tm.failure, steady))
             record("trainmover.failure", out)
             progress.step(f"rep {rep + 1} trainmover failure: {_short(out)}")
             # The TrainMover job is held (idle) while the baselines run.
@@ -113,6 +109,7 @@ def run(args: argparse.Namespace) -> Result:
                         run_dir / f"torchft-{rep}-{hb:g}",
                         hb,
                         args.warm_steps,
+                        harness_timeout_s(config),
                     )
                 )
                 record(f"torchft.hb{hb:g}", out)
@@ -147,12 +144,19 @@ def summarize(result: Result, rows: dict[str, list[Any]], timeouts: list[float])
             result.set(f"{key}.group_build_s", statistics.median(r["group_build_s"] for r in ok))
             result.set(f"{key}.normal_step_s", statistics.median(r["normal_step_s"] for r in ok))
             result.set(f"{key}.groups_rebuilt", statistics.median(r["groups_rebuilt"] for r in ok))
+        first = [r["joiner_first_iteration_s"] for r in ok if "joiner_first_iteration_s" in r]
+        if first:
+            result.set(f"{key}.joiner_first_iteration_s", statistics.median(first))
     fail = rows.get("trainmover.failure", [])
+    fail_ok = successes(fail)
     result.set_median(
-        "trainmover.failure_downtime_s",
-        [r["downtime_s"] for r in successes(fail)],
-        first_reason(fail),
+        "trainmover.failure_downtime_s", [r["downtime_s"] for r in fail_ok], first_reason(fail)
     )
+    if fail_ok:
+        result.set("trainmover.failure_phases_s", _phase_medians(fail_ok))
+        for field in ("end_to_end_s", "lost_in_flight_s"):
+            result.set(f"trainmover.failure_{field}",
+                       statistics.median(r[field] for r in fail_ok))  # fmt: skip
     # Memory: medians over the delta migrations.
     mem = [r["memory_mib"] for r in successes(rows.get("trainmover.delta", []))]
     for field in mem[0] if mem else ():
@@ -262,16 +266,24 @@ def table(result: Result) -> str:
               fmt_stats(v.get("heal_stats")), fmt_stats(v.get("reduced_batch_steps_stats")),
               fmt_stats(v.get("lost_steps_equivalent_stats"))] for k, v in ft.items()],
         )  # fmt: skip
-    for kind in ("planned", "failure"):
-        ck = g(f"checkpoint_restart.{kind}_phases_s") or {}
-        if ck:
-            out += f"\nCheckpoint-restart {kind} phases (median s)\n\n"
-            out += markdown_table(list(ck), [[ck[p] for p in ck]])
-    phases = g("trainmover.phases_s") or {}
-    if phases:
-        out += "\nTrainMover phases (median s)\n\n" + markdown_table(
-            list(phases), [[phases[p] for p in phases]]
-        )
+    phase_tables = (
+        ("checkpoint_restart.planned_phases_s", "Checkpoint-restart planned phases"),
+        ("checkpoint_restart.failure_phases_s", "Checkpoint-restart failure phases"),
+        ("trainmover.phases_s", "TrainMover planned phases"),
+        ("trainmover.failure_phases_s", "TrainMover failure phases"),
+    )
+    for key, title in phase_tables:
+        phases = g(key) or {}
+        if phases:
+            out += f"\n{title} (median s)\n\n" + markdown_table(
+                list(phases), [[phases[p] for p in phases]]
+            )
+    first = [[label, g(f"{key}.joiner_first_iteration_s")] for label, key in
+             (("warm (shadow iterations)", "trainmover"),
+              ("cold (no_shadow)", "ablations.no_shadow"))]  # fmt: skip
+    if any(v is not None for _, v in first):
+        out += "\nJoiner's first real iteration (median s)\n\n"
+        out += markdown_table(["joiner", "s"], first)
     mem = g("memory_mib") or {}
     if mem:
         out += "\nMemory (MiB, RSS, median over migrations)\n\n" + markdown_table(

@@ -23,14 +23,6 @@ class NotMeasurable(Exception):
     """A system or variant that cannot run here; the message is the recorded reason."""
 
 
-class NeedsRuntimePart2(NotMeasurable):
-    """The measurement needs runtime part 2 (shadow iterations, failure recovery from a
-    DP replica, commit agreement), which is not merged yet."""
-
-    def __init__(self, what: str):
-        super().__init__(f"needs runtime part 2: {what}")
-
-
 def summary(samples: Iterable[float]) -> dict[str, Any]:
     """Median, min, max and the samples themselves (None-free); empty -> Nones."""
     values = [float(v) for v in samples if v is not None]

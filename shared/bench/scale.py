@@ -37,7 +37,7 @@ from trainmover.bench.report import (
     ratio,
     summary,
 )
-from trainmover.bench.scale_worker import LEAVER
+from trainmover.bench.scale_worker import LEAVER, MODES, mode_groups, my_specs, rank_ref
 from trainmover.runtime.layout import Layout
 
 #: Projected layouts (TP x PP x DP): 1,024 .. 65,536 GPUs, TP inside an 8-GPU machine.
@@ -63,6 +63,12 @@ def counts(layout: Layout) -> dict[str, dict[str, int]]:
             "rank_connections": path,
             "ranks": tp * (pp + dp - 1),
         },
+        "fixed": {
+            "groups": 1 + tp,  # its TP group; a PP group per TP rank
+            "connections": pairs(tp) + tp * pairs(pp),
+            "rank_connections": (tp - 1) + (pp - 1),
+            "ranks": tp * pp,
+        },
         "full": {
             "groups": pp * dp + dp * tp + pp * tp,
             "connections": pp * dp * pairs(tp) + dp * tp * pairs(pp) + pp * tp * pairs(dp),
@@ -81,6 +87,9 @@ def check_counts(layout: Layout) -> None:
     assert c["full"]["connections"] == sum(pairs(len(m)) for _, m in groups.values())
     assert c["delta"]["groups"] == len(delta), (layout, delta)
     assert c["delta"]["connections"] == sum(pairs(len(groups[n][1])) for n in delta)
+    fixed = mode_groups(layout, "fixed") or []
+    assert c["fixed"]["groups"] == len(fixed), (layout, fixed)
+    assert c["fixed"]["connections"] == sum(pairs(len(groups[n][1])) for n in fixed)
 
 
 class ScaleWorld:
@@ -104,26 +113,40 @@ class ScaleWorld:
         self.store.wait([f"hello/{r}" for r in range(self.n)])
         self.round = 0
 
+        #: Tasks handed to each rank so far (its next task key is the count + 1).
+        self.tasks = [0] * self.n
+        #: The ranks with groups to build in each mode.
+        self.members = {
+            mode: [r for r in range(self.n) if my_specs(layout, rank_ref(layout, r), mode, 1)]
+            for mode in MODES
+        }
+
+    def _hand(self, ranks: list[int], task: dict[str, Any]) -> None:
+        for r in ranks:
+            self.tasks[r] += 1
+            self.store.set(f"task/{r}/{self.tasks[r]}", json.dumps(task))
+
     def build(self, mode: str) -> dict[str, Any]:
-        """One round: every rank of `mode` rebuilds its groups; the slowest decides."""
+        """One round: every rank of `mode` rebuilds its groups; the slowest decides. The
+        round ends when every participant has shut its new groups down again."""
         self.round += 1
+        ranks = self.members[mode]
         go = time.time()
-        self.store.set(f"round{self.round}/mode", mode)
-        keys = [f"round{self.round}/done/{r}" for r in range(self.n)]
+        self._hand(ranks, {"mode": mode, "round": self.round})
+        keys = [f"round{self.round}/done/{r}" for r in ranks]
         self.store.wait(keys)
         done = [json.loads(self.store.get(k)) for k in keys]
         self.store.set(f"round{self.round}/close", "1")
-        busy = [d for d in done if d["groups"]]
+        self.store.wait([f"round{self.round}/closed/{r}" for r in ranks])
         return {
             "mode": mode,
-            "setup_s": max(d["t_end"] for d in busy) - go,
-            "slowest_rank_build_s": max(d["t_end"] - d["t_start"] for d in busy),
-            "ranks_building": len(busy),
+            "setup_s": max(d["t_end"] for d in done) - go,
+            "slowest_rank_build_s": max(d["t_end"] - d["t_start"] for d in done),
+            "ranks_building": len(done),
         }
 
     def close(self) -> None:
-        self.round += 1
-        self.store.set(f"round{self.round}/mode", "end")
+        self._hand(list(range(self.n)), {"mode": "end"})
         for p in self.procs:
             try:
                 p.wait(timeout=30)
@@ -168,30 +191,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> Result:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-bench-scale-"))
     result = Result("scale", worlds=args.worlds, repeats=args.repeats, run_dir=str(run_dir))
-    progress = Progress("scale", len(args.worlds) * args.repeats * 2)
+    progress = Progress("scale", len(args.worlds) * args.repeats * len(MODES))
     measured: list[dict[str, Any]] = []
-    for n in args.worlds:
-        layout = Layout(tp=2, pp=2, dp=max(1, n // 4))
-        progress.note(f"starting {n} rank processes")
-        world = ScaleWorld(layout, run_dir)
-        try:
-            for _ in range(args.repeats):
-                for mode in ("delta", "full"):
-                    row = {"world": n, **world.build(mode), **counts(layout)[mode]}
+    # Every world is alive at once and rounds alternate between them: the shared cores'
+    # load drifts over minutes, and measuring the worlds one after the other would
+    # turn that drift into a trend with world size. Idle ranks sleep in the store.
+    worlds: dict[int, ScaleWorld] = {}
+    try:
+        for n in args.worlds:
+            progress.note(f"starting {n} rank processes")
+            worlds[n] = ScaleWorld(Layout(tp=2, pp=2, dp=max(1, n // 4)), run_dir)
+        for _ in range(args.repeats):
+            for n, world in worlds.items():
+                for mode in MODES:
+                    row = {"world": n, **world.build(mode), **counts(world.layout)[mode]}
                     measured.append(row)
                     progress.step(f"{n} ranks {mode}: {row['setup_s']:.3f} s")
-        finally:
+    finally:
+        for world in worlds.values():
             world.close()
     result.set("measured.rounds", measured)
     by = {
         mode: {n: summary(r["setup_s"] for r in measured if r["world"] == n and r["mode"] == mode)
                for n in args.worlds}
-        for mode in ("delta", "full")
+        for mode in MODES
     }  # fmt: skip
     result.set("measured.setup_s", {m: {str(n): s for n, s in v.items()} for m, v in by.items()})
     lo, hi = min(args.worlds), max(args.worlds)
     result.set("measured.delta_growth", ratio(by["delta"][hi]["median"], by["delta"][lo]["median"]),
                "too few worlds")  # fmt: skip
+    result.set("measured.fixed_growth",
+               ratio(by["fixed"][hi]["median"], by["fixed"][lo]["median"]), "too few worlds")  # fmt: skip
     result.set("measured.full_growth", ratio(by["full"][hi]["median"], by["full"][lo]["median"]),
                "too few worlds")  # fmt: skip
     model = fit(measured)
@@ -215,11 +245,19 @@ def table(result: Result) -> str:
     setup = g("measured.setup_s")
     worlds = list(setup["delta"])
     out = "Measured group setup on loopback (s, median (min–max))\n\n"
+    rounds = g("measured.rounds")
+
+    def conns(n: str, mode: str) -> int:
+        return next(r["connections"] for r in rounds if str(r["world"]) == n and r["mode"] == mode)
+
     out += markdown_table(
-        ["ranks", "delta", "full rebuild"],
-        [[n, fmt_stats(setup["delta"][n]), fmt_stats(setup["full"][n])] for n in worlds],
-    )
-    out += f"\nGrowth {worlds[0]} -> {worlds[-1]} ranks: delta x{_num(g('measured.delta_growth'))}, full x{_num(g('measured.full_growth'))}\n"
+        ["ranks", "delta", "delta connections", "fixed (TP + PP groups)", "full rebuild",
+         "full connections"],
+        [[n, fmt_stats(setup["delta"][n]), conns(n, "delta"), fmt_stats(setup["fixed"][n]),
+          fmt_stats(setup["full"][n]), conns(n, "full")] for n in worlds],
+    )  # fmt: skip
+    growth = ", ".join(f"{m} x{_num(g(f'measured.{m}_growth'))}" for m in MODES)
+    out += f"\nGrowth {worlds[0]} -> {worlds[-1]} ranks: {growth}\n"
     m = g("model")
     out += (f"\nModel: t = {m['a_s']:.4f} s + {m['b_s_per_rank_connection']:.5f} s x busiest-rank "
             f"connections + {m['c_s_per_connection']:.6f} s x all connections rebuilt\n\n")  # fmt: skip
@@ -245,6 +283,7 @@ def write(result: Result, json_path: Path) -> None:
     worlds = list(setup["delta"])
     plot.lines(png, "Group setup time vs world size (loopback, gloo)", [int(n) for n in worlds],
                {"delta (5 groups)": [setup["delta"][n] for n in worlds],
+                "fixed (the delta's TP + PP groups)": [setup["fixed"][n] for n in worlds],
                 "full rebuild": [setup["full"][n] for n in worlds]},
                "ranks", "seconds")  # fmt: skip
 

@@ -19,6 +19,17 @@ BENCH_MODEL = {"vocab_size": 128, "d_model": 128, "n_heads": 4, "n_layers": 4, "
 BENCH_TRAIN = {"micro_batches": 2, "micro_batch_size": 8, "steps": 1_000_000, "dump_steps": []}
 #: The smoke test's job: same layout shape, a tiny model.
 TINY_MODEL = {"vocab_size": 64, "d_model": 32, "n_heads": 4, "n_layers": 2, "seq_len": 16}
+#: Waits of a compiled job (its collectives and the harnesses'). A rank's first compiled
+#: iteration (inductor generating and gcc building its kernels) took minutes on 2 cores
+#: at load 40-80, while its pipeline peer waited in a recv: at the default 120 s the
+#: peer gave the step up and the job stopped at step 1.
+COMPILE_TIMEOUT_S = 1800.0
+EAGER_TIMEOUT_S = 600.0
+
+
+def harness_timeout_s(config: JobConfig) -> float:
+    """How long a benchmark harness waits for one thing of `config`'s job."""
+    return COMPILE_TIMEOUT_S if config.train.compile else EAGER_TIMEOUT_S
 
 
 def parse_layout(text: str) -> Layout:
@@ -45,10 +56,12 @@ def bench_config(
     model = TINY_MODEL if tiny else BENCH_MODEL
     if base is not None:
         model = {}  # a user's config keeps its own model
+    runtime = {"group_timeout_s": COMPILE_TIMEOUT_S, "failure_timeout_s": COMPILE_TIMEOUT_S}
     return config.with_updates(
         layout=layout.model_dump(),
         model=model,
         train={**BENCH_TRAIN, "compile": compile},
+        runtime=runtime if compile else {},
     )
 
 

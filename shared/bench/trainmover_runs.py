@@ -1,26 +1,38 @@
 """TrainMover's side of the downtime and rebalance benchmarks, over `LocalJob`.
 
-One job is kept alive across repetitions; each planned migration moves the machine that
-serves cell (dp 0, pp 0) to a freshly started standby, and is measured with
-`trainmover.runtime.bench.measure` (downtime per DESIGN.md, phases, group build time).
-Variants: the full system (delta, phase 1 overlapped with training), `full_rebuild`
-(every group of the job), `no_overlap` (the job is held at the switch step while phase 1
-builds the delta: the build is on the critical path, as in stop-the-world setups).
+One job is kept alive across repetitions. Each event hits the machine that serves cell
+(dp 0, pp 0): a planned migration moves it to a standby and is measured with
+`trainmover.runtime.bench.measure` (downtime per DESIGN.md, phases, group build time);
+a failure SIGKILLs it mid-step and the driver's unplanned path recovers its roles onto
+a standby from its DP replica (`measure_failure`). The full system's standbys are warm
+(shadow iterations, run while the job is held: on 2 shared cores they would otherwise
+slow training, and in production a standby is another machine).
 
-Runtime part 2 plugs in here: `failure()` (kill a machine, recover from a DP replica)
-and `planned(variant="no_shadow")` (the joiner skips its shadow iterations) raise
-`NeedsRuntimePart2` until it is merged; the benchmarks record them as null + reason.
+Variants of the planned migration: the full system (`delta`: the leaver's groups only,
+phase 1 overlapped with training, warm joiner), `full_rebuild` (every group of the
+job), `no_overlap` (the job is held at the switch step while phase 1 builds the delta:
+the build is on the critical path, as in stop-the-world setups) and `no_shadow` (a cold
+joiner: its first real iteration pays the warm-up).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 from trainmover.bench.memory import RssSampler
-from trainmover.bench.report import NeedsRuntimePart2
-from trainmover.runtime.bench import CELL, measure, step_end
+from trainmover.bench.settings import harness_timeout_s
+from trainmover.runtime.bench import (
+    CELL,
+    first_iterations,
+    measure,
+    measure_failure,
+    normal_step,
+    step_end,
+)
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.driver import LocalJob, MigrationReport
 from trainmover.runtime.plan import RankRef
@@ -34,7 +46,12 @@ class TrainMoverJob:
 
     def __init__(self, config: JobConfig, run_dir: Path, standbys: int = 1, margin: int = 3):
         self.config, self.margin = config, margin
-        self.job = LocalJob.launch(config, run_dir, standbys=standbys, limit=1, timeout_s=600)
+        self.job = LocalJob.launch(
+            config, run_dir, standbys=standbys, limit=1, timeout_s=harness_timeout_s(config)
+        )
+        #: Standbys that ran shadow iterations (warmth cannot be undone: a cold joiner
+        #: must be a standby never warmed).
+        self.warmed: set[str] = set()
         self.sampler = RssSampler(
             lambda: {str(r): p.pid for r, p in list(self.job.procs.items()) if p.poll() is None}
         ).__enter__()
@@ -55,26 +72,40 @@ class TrainMoverJob:
 
     # -- steady state between events ---------------------------------------------------
 
-    def settle(self, warm_steps: int, add_standby: bool) -> int:
-        """Holds the job while a new standby starts (its start-up would disturb the step
-        period on shared cores; in production it is another machine), then trains
+    def hold(self) -> None:
+        """Holds every rank at the next step boundary."""
+        self.job.set_limit(self.job.current_step() + 1)
+        self.job.wait_step(self.job.limit)
+
+    def warm_standbys(self, machines: list[str]) -> None:
+        """Shadow iterations on `machines`, for every role type (the job should be held:
+        they share the cores)."""
+        self.job.warm(machines)
+        self.warmed.update(machines)
+
+    def joiner(self, warm: bool) -> str | None:
+        """The standby the next event uses: the first warm one (full system), or the
+        first never warmed (no_shadow); None when there is none."""
+        return next((m for m in self.job.standbys if (m in self.warmed) == warm), None)
+
+    def settle(self, warm_steps: int, warm: bool = True) -> int:
+        """Holds the job while a standby of the kind needed is started and (`warm`)
+        warmed by shadow iterations (start-up and warm-up would disturb the step period
+        on shared cores; in production they run on another machine), then trains
         `warm_steps` steady steps. Returns the first steady step."""
-        if add_standby:
-            self.job.set_limit(self.job.current_step() + 1)
-            self.job.wait_step(self.job.limit)
+        if self.joiner(warm) is None:
+            self.hold()
             self.job.add_standbys(1)
         self.job.wait_connected()
+        if warm and self.joiner(True) is None:
+            self.hold()
+            cold = self.joiner(False)
+            assert cold is not None
+            self.warm_standbys([cold])
         steady_from = self.job.current_step() + 2
         self.job.set_limit(steady_from + warm_steps + 10 * self.margin + 50)
         self.job.wait_step(steady_from + warm_steps)
         return steady_from
-
-    def run_for(self, seconds: float) -> None:
-        """Lets the job train freely for `seconds` (rebalance benchmark)."""
-        deadline = time.time() + seconds
-        while time.time() < deadline:
-            self.job.set_limit(self.job.current_step() + 1_000)
-            time.sleep(min(1.0, max(0.0, deadline - time.time())))
 
     def leaver(self) -> str:
         return next(m for m, cell in self.job.assignment.items() if cell == CELL)
@@ -82,13 +113,12 @@ class TrainMoverJob:
     # -- the measured events -----------------------------------------------------------
 
     def planned(self, variant: Variant, steady_from: int) -> dict[str, Any]:
-        """One planned migration of the (dp 0, pp 0) machine to the next standby."""
-        if variant == "no_shadow":
-            raise NeedsRuntimePart2(
-                "shadow iterations on standbys (issue 5); part 1 has none, so "
-                "trainmover.planned_downtime_s is itself measured without them"
-            )
-        moves = {self.leaver(): self.job.standbys[0]}
+        """One planned migration of the (dp 0, pp 0) machine to a standby (a cold one
+        for `no_shadow`, a warm one otherwise; `settle` provides it)."""
+        joiner = self.joiner(warm=variant != "no_shadow")
+        if joiner is None:
+            raise RuntimeError(f"no standby for {variant}: settle first")
+        moves = {self.leaver(): joiner}
         if variant == "no_overlap":
             report = self._stop_the_world(moves)
         else:
@@ -96,20 +126,42 @@ class TrainMoverJob:
         self.job.set_limit(max(self.job.limit, report.commit_step + 2))
         row = measure(self.job, report, steady_from, report.commit_step)
         row["mode"] = variant
+        row["warm_joiner"] = joiner in self.warmed
+        row["joiner_first_iteration_s"] = first_iterations(self.job, report)
         row["memory_mib"] = self._memory(report, steady_from)
         return row
 
     def failure(self, steady_from: int) -> dict[str, Any]:
-        """Unplanned: SIGKILL one worker of the (dp 0, pp 0) machine and recover from a
-        DP replica onto a warm standby. Plug runtime part 2 in here: kill the leaver's
-        process, let the driver's failure path (detection, abort of the stayers' blocked
-        collectives, delta build on the critical path, transfer from the replica) run,
-        and return `measure_failure(...)`: kill -> first step done after recovery, plus
-        the discarded in-flight step (DESIGN.md's downtime for failures)."""
-        raise NeedsRuntimePart2(
-            "unplanned failure recovery from a DP replica (detection, abort, commit "
-            "agreement); LocalJob of part 1 has no failure path"
-        )
+        """Unplanned: SIGKILL the whole (dp 0, pp 0) machine in the middle of a step;
+        the driver notices (its control connections close), sends the recover plan
+        (delta rebuilt on the critical path, the joiner's state from the DP replica,
+        every survivor aborting the in-flight step) and the job resumes from the last
+        committed step. `downtime_s` is kill -> first step done after the recovery
+        (the re-executed in-flight step: the issue's definition, as for
+        checkpoint-restart, whose recomputed steps have no counterpart here);
+        `end_to_end_s` is DESIGN.md's (end of the last step before the kill -> end of
+        the first after, minus a normal step)."""
+        job = self.job
+        victim = self.leaver()
+        if self.joiner(warm=True) is None:
+            raise RuntimeError("no warm standby for the failure: settle first")
+        last = job.current_step() + 1
+        job.wait_step(last)
+        normal = normal_step(job, steady_from, last)
+        # In the middle of the next step: the expected position of a random failure.
+        time.sleep(max(0.0, step_end(job, last) + normal / 2 - time.time()))
+        group = job.procs[RankRef(machine=victim, local_rank=0)].pid  # the machine's group
+        killed_at = time.time()
+        os.killpg(group, signal.SIGKILL)
+        dead, noticed = job.wait_failure()
+        if dead != victim:
+            raise RuntimeError(f"{dead} failed, not the killed {victim}")
+        report = job.recover(dead, joiner=self.joiner(warm=True), detected_at=noticed)
+        row = measure_failure(job, report, killed_at, normal)
+        row["end_to_end_s"] = row["downtime_s"]
+        row["downtime_s"] = row["kill_to_first_step_s"]
+        row["lost_in_flight_s"] = killed_at - step_end(job, report.step)
+        return row
 
     def _stop_the_world(self, moves: dict[str, str]) -> MigrationReport:
         """The no-overlap ablation: hold every rank at the switch step, then build the

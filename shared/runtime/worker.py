@@ -53,6 +53,7 @@ from trainmover.runtime.groups import (
     GroupBuilder,
     GroupTable,
     pick_device,
+    retire,
 )
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan, RankRef
@@ -532,8 +533,7 @@ class Runtime:
             )
             self._exit_reason = "left"
             return "left"
-        for old in self.groups.install(built):
-            old.shutdown()
+        retire(self.groups.install(built))
         self._finish_migration(
             c.Switched(
                 plan_id=mig.plan.plan_id,
@@ -564,7 +564,9 @@ class Runtime:
         built = mig.builder.wait(self._timeout_s)
         transfer = self._transfer_group(built)
         stats = self._state.receive(transfer, peer=0)
-        transfer.shutdown()
+        built.remove(transfer)
+        retire([transfer])
+        del transfer
         if self._state.step != mig.commit_step:
             raise RuntimeError(f"leaver sent step {self._state.step}, commit was {mig.commit_step}")
         role_groups = [g for g in built if g.spec.kind != "transfer"]
@@ -621,6 +623,8 @@ class Runtime:
             raise RecoverySuperseded(f"{plan.plan_id}: {exc}") from None
         build_s = time.time() - t_start
         transfer_bytes, transfer_s = 0, 0.0
+        pairs = [g for g in built if g.spec.kind == "transfer"]
+        built = [g for g in built if g.spec.kind != "transfer"]
         if plan.restore == "checkpoint":
             roles = [
                 r for cell in self.config.layout.cells() for r in self.config.layout.roles_of(cell)
@@ -632,18 +636,17 @@ class Runtime:
             source: Literal["replica", "checkpoint"] = "checkpoint"
         else:
             source = "replica"
-            for pair in (g for g in built if g.spec.kind == "transfer"):
+            for i in range(len(pairs)):
                 stats = (
-                    self._state.receive(pair, peer=0)
+                    self._state.receive(pairs[i], peer=0)
                     if joiner
-                    else self._state.send(pair, peer=1, extra={"epoch": plan.plan_id})
+                    else self._state.send(pairs[i], peer=1, extra={"epoch": plan.plan_id})
                 )
                 transfer_bytes += stats.bytes
                 transfer_s += stats.seconds
-        for pair in (g for g in built if g.spec.kind == "transfer"):
-            pair.shutdown()
-        for old in self.groups.install([g for g in built if g.spec.kind != "transfer"]):
-            old.shutdown()  # never blocks, even with an abandoned work in it
+        # Shutting down never blocks, even with an abandoned work in a replaced group.
+        retire(self.groups.install(built))
+        retire(pairs)
         self._new_epoch(plan.plan_id, self._state.step)
         with self._cond:
             if self._recovery is rec:  # else a newer plan arrived: the boundary runs it
