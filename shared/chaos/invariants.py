@@ -78,6 +78,13 @@ def check_replicas(config: JobConfig, run_dir: Path, step: int) -> list[str]:
     return out
 
 
+def has_come_back(status: str, was_away: bool) -> bool:
+    """Whether a machine on its way back to the pool is back: a standby again, or one
+    seen failed or in maintenance that is now joining or active (the planner may take a
+    fresh standby as a joiner before anyone observes it in the pool)."""
+    return status == "standby" or (was_away and status in ("joining", "active"))
+
+
 def check_accounting(
     config: JobConfig,
     state: ClusterState,

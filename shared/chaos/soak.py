@@ -178,6 +178,10 @@ class Soak:
         )
         self.returning: set[str] = set()  # machines on their way back to the pool
         self._restarted: set[str] = set()
+        #: Returning machines seen failed or in maintenance: one of these that is
+        #: standby, joining or active again has come back (possibly taken straight from
+        #: the pool as a joiner before it was ever observed as a standby).
+        self._away: set[str] = set()
         #: Machines failed by the system without being a fault's target (each reported
         #: once as a violation).
         self.unexpected: set[str] = set()
@@ -321,9 +325,12 @@ class Soak:
                 await ctx.cluster.stack.start_machine(name)
                 self._restarted.add(name)
                 log.info("machine_reprovisioned", machine=name)
-            elif status == "standby":
+            if status in ("failed", "maintenance"):
+                self._away.add(name)
+            elif status == "standby" or (status in ("joining", "active") and name in self._away):
                 self.returning.discard(name)
                 self._restarted.discard(name)
+                self._away.discard(name)
         return state
 
     async def _recovered(self, ctx: FaultContext, injection: Injection) -> bool:

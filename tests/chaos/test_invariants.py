@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainmover.chaos.invariants import check_accounting, check_replicas
+from trainmover.chaos.invariants import check_accounting, check_replicas, has_come_back
 from trainmover.chaos.soak import SoakSettings, soak_config
 from trainmover.messages import ClusterState, Heartbeat, MachineState, WorkerStatus
 from trainmover.runtime.layout import MachineRole
@@ -107,3 +107,13 @@ def test_accounting_catches_a_lost_machine_a_gap_and_a_disagreement() -> None:
 def test_settings_refuse_unknown_fault_kinds() -> None:
     with pytest.raises(ValueError, match="unknown fault kinds \\['power'\\]"):
         SoakSettings(kinds=("drain", "power"))
+
+
+def test_a_returning_machine_taken_as_a_joiner_has_come_back() -> None:
+    assert has_come_back("standby", was_away=False)
+    assert has_come_back("active", was_away=True)  # back, and taken straight from the pool
+    assert has_come_back("joining", was_away=True)
+    # A drained leaver still serving its role has not even left yet.
+    assert not has_come_back("active", was_away=False)
+    assert not has_come_back("maintenance", was_away=True)
+    assert not has_come_back("failed", was_away=True)
