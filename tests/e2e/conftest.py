@@ -8,7 +8,7 @@ same job and seed run once per session without any migration, for the bit-exact 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -30,12 +30,28 @@ CONFIG = JobConfig(job="e2e").with_updates(
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The uninterrupted run's final states, by role."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    with LocalJob.launch(CONFIG, run_dir, standbys=0, timeout_s=WAIT_S) as job:
-        job.finish(WAIT_S)
-    return state_files(run_dir, STEPS)
+def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[JobConfig], dict[str, Path]]:
+    """Uninterrupted runs' final states by role, one run per distinct job config."""
+    done: dict[str, dict[str, Path]] = {}
+
+    def reference_for(config: JobConfig) -> dict[str, Path]:
+        key = config.model_dump_json()
+        if key not in done:
+            run_dir = tmp_path_factory.mktemp("reference")
+            with LocalJob.launch(config, run_dir, standbys=0, timeout_s=WAIT_S) as job:
+                job.finish(WAIT_S)
+            done[key] = state_files(run_dir, config.train.steps)
+        return done[key]
+
+    return reference_for
+
+
+@pytest.fixture
+def reference(
+    references: Callable[[JobConfig], dict[str, Path]], config: JobConfig
+) -> dict[str, Path]:
+    """The uninterrupted run of the test's job config (`config`)."""
+    return references(config)
 
 
 @pytest.fixture
