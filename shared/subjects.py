@@ -158,5 +158,15 @@ def kv_subjects(bucket: str) -> str:
     return f"$KV.{bucket}.>"
 
 
+def obj_stream(bucket: str) -> str:
+    """The JetStream stream behind object-store bucket `bucket`."""
+    return f"OBJ_{bucket}"
+
+
+def obj_subjects(bucket: str) -> list[str]:
+    """What a writer of object-store `bucket` publishes to: chunks and metadata."""
+    return [f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"]
+
+
 # Keys of the cluster-state bucket.
 STATE_KEY = "cluster"

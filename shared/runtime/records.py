@@ -8,7 +8,9 @@ so a standby on a fresh host replays what a live rank recorded elsewhere.
 `runtime.record_store` chooses: empty (the directory `runtime.record_dir`, default
 `<run_dir>/records`) or a NATS URL (``nats://host:port``, comma-separated for a cluster;
 credentials as for every bus client: $TRAINMOVER_NATS_*), whose bucket is
-`TM_<job>_RECORDS` (`JobSubjects.records_bucket`).
+`TM_<job>_RECORDS` (`JobSubjects.records_bucket`). With bus authorization, a sidecar's
+credentials grant its job's bucket (`security.policy`); a refusal raises
+`bus.PermissionDenied`.
 
 Workers are synchronous torch processes, and a nats-py client belongs to the event loop
 it was created on; so the NATS store owns one loop in a daemon thread, connects lazily
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,7 +39,9 @@ from nats.js.object_store import ObjectStore
 from trainmover import bus
 from trainmover.runtime.config import NATS_SCHEMES, JobConfig
 from trainmover.runtime.sandbox import DirectoryRecordStore, RecordStore
-from trainmover.subjects import JobSubjects
+from trainmover.security import denials
+from trainmover.security.credentials import NatsAuth
+from trainmover.subjects import JobSubjects, obj_subjects
 
 T = TypeVar("T")
 
@@ -46,8 +50,17 @@ class NatsRecordStore:
     """Recordings as objects of a JetStream object-store bucket (file storage), one per
     key; a put replaces the object of that name."""
 
-    def __init__(self, url: str, bucket: str, client_name: str, timeout_s: float = 60.0):
+    def __init__(
+        self,
+        url: str,
+        bucket: str,
+        client_name: str,
+        timeout_s: float = 60.0,
+        auth: NatsAuth | None = None,
+    ):
+        """`auth`: the credentials to present (default: $TRAINMOVER_NATS_*)."""
         self.url, self.bucket, self.client_name = url, bucket, client_name
+        self.auth = auth
         self.timeout_s = timeout_s
         self._nc: NatsClient | None = None
         self._store: ObjectStore | None = None
@@ -65,8 +78,7 @@ class NatsRecordStore:
 
     async def _objects(self) -> ObjectStore:
         if self._store is None:
-            if self._nc is None:
-                self._nc = await bus.connect(self.url, self.client_name)
+            assert self._nc is not None  # connected by _guarded
             js = self._nc.jetstream()
             try:
                 self._store = await js.object_store(self.bucket)
@@ -92,15 +104,23 @@ class NatsRecordStore:
             return 0
         return sum(info.size or 0 for info in infos if not info.deleted)
 
+    async def _guarded(self, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """`work`, raising PermissionDenied as soon as the server refuses one of its
+        JetStream calls or object publishes (nats-py alone would wait for a timeout)."""
+        if self._nc is None:
+            self._nc = await bus.connect(self.url, self.client_name, auth=self.auth)
+        subjects = ["$JS.API.>", *obj_subjects(self.bucket)]
+        return await denials.of(self._nc).guard(work(), subjects)
+
     def put(self, key: str, data: bytes) -> None:
-        self._run(self._put(key, data))
+        self._run(self._guarded(lambda: self._put(key, data)))
 
     def get(self, key: str) -> bytes | None:
-        return self._run(self._get(key))
+        return self._run(self._guarded(lambda: self._get(key)))
 
     def size_bytes(self) -> int:
         """Bytes of the recordings themselves (not JetStream's chunk overhead)."""
-        return self._run(self._size())
+        return self._run(self._guarded(self._size))
 
     def close(self) -> None:
         if self._loop.is_closed():

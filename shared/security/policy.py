@@ -8,7 +8,8 @@ A component is a role plus the job(s) it serves (and, for a sidecar, its machine
     executor        plans in, progress out, commands to any sidecar of the job
     health-monitor  heartbeats/stats/collective errors in, events out, its own bucket
     sidecar         heartbeats/stats/collective errors of ITS machine out, commands of
-                    ITS machine in (answers them), dead letters; nothing else
+                    ITS machine in (answers them), dead letters; reads ITS job's state;
+                    its workers record into and replay from ITS job's records bucket
     client          drain/failure/rebalance events of ITS job out; reads the job's
                     state bucket and follows its events and progress
 
@@ -23,7 +24,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trainmover.subjects import JobSubjects, check_name, kv_stream, kv_subjects
+from trainmover.security.denials import subject_matches
+from trainmover.subjects import (
+    JobSubjects,
+    check_name,
+    kv_stream,
+    kv_subjects,
+    obj_stream,
+    obj_subjects,
+)
 
 Role = Literal["admin", "planner", "executor", "health-monitor", "sidecar", "client"]
 ROLES: tuple[Role, ...] = ("admin", "planner", "executor", "health-monitor", "sidecar", "client")
@@ -157,6 +166,22 @@ def kv_manage(bucket: str) -> list[str]:
     return stream_manage(kv_stream(bucket))
 
 
+def object_store_use(bucket: str) -> list[str]:
+    """Create object-store `bucket`, put objects into it and read them back (what
+    nats-py's object_store, create_object_store, put, get and list ask for).
+
+    A put that replaces an object purges the old object's chunks, so the user may purge
+    this one stream; nothing in the grant reaches another stream.
+    """
+    stream = obj_stream(bucket)
+    return [
+        *stream_manage(stream),
+        *stream_read(stream),
+        *obj_subjects(bucket),
+        f"{JS_API}.STREAM.PURGE.{stream}",
+    ]
+
+
 def _job_setup(s: JobSubjects) -> list[str]:
     """What `bus.ensure_job` needs: the job's streams and its state bucket."""
     out: list[str] = []
@@ -208,6 +233,9 @@ def _sidecar(p: Permissions, s: JobSubjects, machine: str) -> None:
     )
     # Reads the cluster state: its machine's role and the groups' members and generations.
     p.add(publish=kv_read(s.bucket) + [f"{JS_API}.STREAM.NAMES", f"{JS_API}.INFO"])
+    # Its machine's workers (same credentials) record shadow-iteration receives, and a
+    # standby's replay them, when `runtime.record_store` is on the bus.
+    p.add(publish=object_store_use(s.records_bucket))
     # Answers commands on the requester's reply subject, and nothing else of theirs.
     p.allow_responses = True
 
@@ -246,8 +274,16 @@ def permissions(component: Component) -> Permissions:
             _sidecar(p, s, component.machine)
         else:
             _client(p, s)
-    p.publish_deny = list(_DESTRUCTIVE)
+    p.publish_deny = _denied(p.publish_allow)
     return p
+
+
+def _denied(allowed: list[str]) -> list[str]:
+    """`_DESTRUCTIVE`, less a wildcard that would shadow an exact grant (deny wins in
+    nats-server): the sidecar's purge of its records stream. Only a grant without
+    wildcards lifts a deny, so a broad allow still cannot reach destructive calls."""
+    exact = [a for a in allowed if "*" not in a.split(".") and not a.endswith(">")]
+    return [d for d in _DESTRUCTIVE if not any(subject_matches(d, a) for a in exact)]
 
 
 def components_for(

@@ -4,6 +4,8 @@ can do its job and nothing else, and a refusal reaches the caller as PermissionD
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -21,8 +23,10 @@ from trainmover.messages import (
     StragglerEvidence,
 )
 from trainmover.natsserver import server_binary
+from trainmover.runtime.records import NatsRecordStore
+from trainmover.security.credentials import CREDS_ENV
 from trainmover.security.policy import Component, components_for, permissions
-from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.subjects import STATE_KEY, JobSubjects, kv_stream, obj_stream
 
 A, B = JobSubjects(JOB_A), JobSubjects(JOB_B)
 
@@ -182,3 +186,80 @@ def test_components_are_named_by_job_and_machine() -> None:
         Component("sidecar", (JOB_A,))
     with pytest.raises(ValueError):
         Component("client", (JOB_A, JOB_B))
+
+
+# --- shadow-iteration records (the job's object store) -----------------------------------
+
+
+@contextmanager
+def record_store(bus_: SecureBus, user: str, job: str = JOB_A) -> Iterator[NatsRecordStore]:
+    bucket = JobSubjects(job).records_bucket
+    store = NatsRecordStore(bus_.url, bucket, f"test-{user}", auth=bus_.auth(user))
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def test_sidecars_record_and_replay_their_jobs_records(
+    secure_bus: SecureBus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A live rank connects as its machine's sidecar through the environment, as workers do.
+    monkeypatch.setenv(CREDS_ENV, str(secure_bus.creds(f"sidecar.{JOB_A}.m0")))
+    live = NatsRecordStore(secure_bus.url, A.records_bucket, "test-live")
+    try:
+        live.put("stage.pp-recv.pt", b"first recording")
+        # A re-recording replaces the object, purging the old chunks: needs the purge.
+        live.put("stage.pp-recv.pt", b"second")
+    finally:
+        live.close()
+    with record_store(secure_bus, f"sidecar.{JOB_A}.s0") as standby:
+        assert standby.get("stage.pp-recv.pt") == b"second"
+        assert standby.size_bytes() == len(b"second")
+
+
+def test_another_jobs_sidecar_cannot_read_or_write_records(secure_bus: SecureBus) -> None:
+    with record_store(secure_bus, f"sidecar.{JOB_A}.m1") as live:
+        live.put("other.pp-recv.pt", b"job A's")
+    for user in (f"sidecar.{JOB_B}.m1", f"sidecar.{JOB_B}.s0"):  # password and NKey
+        with record_store(secure_bus, user) as intruder:
+            with pytest.raises(bus.PermissionDenied, match=f"(?i){obj_stream(A.records_bucket)}"):
+                intruder.get("other.pp-recv.pt")
+            with pytest.raises(bus.PermissionDenied, match=f"(?i){obj_stream(A.records_bucket)}"):
+                intruder.put("other.pp-recv.pt", b"forged")
+    with record_store(secure_bus, f"sidecar.{JOB_A}.m2") as check:
+        assert check.get("other.pp-recv.pt") == b"job A's"
+
+
+def test_clients_cannot_write_records(secure_bus: SecureBus) -> None:
+    with record_store(secure_bus, f"client.{JOB_A}") as client:
+        with pytest.raises(bus.PermissionDenied):
+            client.put("stage.pp-recv.pt", b"forged")
+
+
+async def test_clients_cannot_publish_record_chunks(secure_bus: SecureBus, connect_as) -> None:
+    nc = await connect_as(f"client.{JOB_A}")
+    for subject in (f"$O.{A.records_bucket}.C.x", f"$O.{A.records_bucket}.M.eA"):
+        with pytest.raises(bus.PermissionDenied, match="publish"):
+            await bus.publish(nc, subject, b"forged")
+
+
+async def test_a_sidecar_purges_only_its_records_stream(registered: SecureBus, connect_as) -> None:
+    nc = await connect_as(f"sidecar.{JOB_A}.m0")
+    for stream in (A.stream("EVENTS"), kv_stream(A.bucket), obj_stream(B.records_bucket)):
+        with pytest.raises(bus.PermissionDenied, match="PURGE"):
+            await bus.publish(nc, f"$JS.API.STREAM.PURGE.{stream}", b"")
+    with pytest.raises(bus.PermissionDenied, match="DELETE"):
+        await bus.publish(nc, f"$JS.API.STREAM.DELETE.{obj_stream(A.records_bucket)}", b"")
+
+
+def test_only_an_exact_grant_lifts_a_destructive_deny() -> None:
+    purge = "$JS.API.STREAM.PURGE.>"
+    sidecar = permissions(Component("sidecar", (JOB_A,), "m0"))
+    assert purge not in sidecar.publish_deny
+    assert [s for s in sidecar.publish_allow if s.startswith("$JS.API.STREAM.PURGE.")] == [
+        f"$JS.API.STREAM.PURGE.{obj_stream(A.records_bucket)}"
+    ]
+    for component in components_for({JOB_A: ["m0"]}):
+        if component.role not in ("admin", "sidecar"):
+            assert purge in permissions(component).publish_deny, component.name
