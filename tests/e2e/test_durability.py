@@ -18,7 +18,7 @@ from nats.js.api import DeliverPolicy
 from tests.e2e.conftest import CONFIG, WAIT_S
 from trainmover import bus
 from trainmover.localcluster import LocalCluster as Cluster
-from trainmover.messages import DrainEvent, MigrationProgress, decode, decode_event
+from trainmover.messages import Command, DrainEvent, MigrationProgress, decode, decode_event
 from trainmover.subjects import JobSubjects
 
 pytestmark = pytest.mark.timeout(900)
@@ -40,6 +40,13 @@ async def _stream(cluster: Cluster, subject: str, stream: str) -> list[bytes]:
                 return out
     finally:
         await sub.unsubscribe()
+
+
+async def _slow_every_machine(cluster: Cluster, extra_s: float) -> None:
+    for machine in cluster.config.cluster.machines:
+        command = Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": extra_s})
+        reply = await bus.request(cluster.nc, command)
+        assert reply.ok, reply.error
 
 
 async def _reaches(cluster: Cluster, event_id: str, state: str) -> None:
@@ -64,10 +71,15 @@ async def test_server_restart_mid_migration_loses_nothing(cluster: Cluster, refe
     subjects = JobSubjects(cluster.job)
     await cluster.wait_step("m1", 10, WAIT_S)
     # Both standbys warm, so both drains are planned at once, well before the last step.
+    # Warming up takes minutes on a loaded host, an unloaded one trains 400 steps sooner:
+    # every machine idles the same extra time per step meanwhile (the same on all of
+    # them, so nobody is a straggler, and a sleep changes nothing in the numerics).
+    await _slow_every_machine(cluster, 2.0)
     await cluster.wait_state(
         lambda s: all(m in s.machines and s.machines[m].warm_role_types for m in ("s0", "s1")),
         WAIT_S,
     )
+    await _slow_every_machine(cluster, 0.0)
     first = await cluster.client.drain(cluster.job, "m1", reason="before the crash")
     await asyncio.wait_for(_reaches(cluster, first, "phase1"), WAIT_S)
     # A second drain (m2 shares no group with m1) is acked by the bus, and the server
