@@ -9,7 +9,6 @@ loop only calls `Runtime` a handful of times.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,11 +111,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # The runtime has shut down what it owns and reported its exit. A gloo group left
-    # behind by a superseded recovery can still own C++ threads; interpreter teardown
-    # would destroy them joinable and abort the process ("terminate called without an
-    # active exception") after a clean finish, so the process ends here.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())
