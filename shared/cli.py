@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -311,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return authcli.main(args.args)
         credentials.set_default(credentials.from_args(args))
+        if args.command in ("demo", "chaos"):
+            _terminate_as_interrupt()
         if args.command == "demo":
             from trainmover import demo
 
@@ -335,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM stops a command that runs a local cluster the way Ctrl-C does: its
+    processes are stopped on the way out instead of outliving it as orphans."""
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
 
 
 def _first_line(err: Exception) -> str:

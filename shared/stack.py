@@ -275,11 +275,12 @@ class Stack:
                     log.warning("service_exited", service=name, code=task.result())
                     await self._spawn(name)
 
-    async def __aexit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        # Machines first (their workers must not outlive the bus), then the services.
-        for name, proc in [*self.machines.items(), *reversed(list(self._procs.items()))]:
+    @staticmethod
+    async def _stop_all(procs: dict[str, asyncio.subprocess.Process], group: bool) -> None:
+        """SIGTERM to every process of `procs`, SIGKILL (to its process group when
+        `group`) to those still running after 20 s."""
+
+        async def stop(name: str, proc: asyncio.subprocess.Process) -> None:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.terminate()
@@ -287,9 +288,19 @@ class Stack:
                 await asyncio.wait_for(proc.wait(), 20)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL) if name in self.machines else proc.kill()
+                    os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
                 await proc.wait()
             log.info("process_stopped", name=name)
+
+        await asyncio.gather(*(stop(name, proc) for name, proc in procs.items()))
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # Machines first (their workers must not outlive the bus), then the services;
+        # each tier at once, so a machine stopping is not seen failing by the others.
+        await self._stop_all(self.machines, group=True)
+        await self._stop_all(self._procs, group=False)
         self.machines.clear()
         self._procs.clear()
         if self._rendezvous is not None:
