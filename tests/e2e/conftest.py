@@ -61,6 +61,10 @@ def config() -> JobConfig:
 
 
 @pytest.fixture
-async def cluster(tmp_path: Path, config: JobConfig) -> AsyncIterator[LocalCluster]:
+async def cluster(
+    tmp_path: Path, config: JobConfig, reference: dict[str, Path]
+) -> AsyncIterator[LocalCluster]:
+    # After the reference: its run blocks the event loop for minutes, and a cluster
+    # started before it would train to its end unobserved (the bus dropping its stats).
     async with LocalCluster(config, tmp_path) as running:
         yield running

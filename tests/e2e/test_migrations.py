@@ -119,6 +119,44 @@ async def test_sigkill_of_a_machine_is_recovered_from_its_replica(
     assert cluster.mismatches(reference, STEPS) == []
 
 
+async def test_two_machines_killed_at_once_are_recovered_together(
+    cluster: Cluster, reference
+) -> None:
+    await cluster.wait_step("m1", 10, WAIT_S)
+    # m0 (dp0, pp0) and m1 (dp0, pp1) share their PP groups: the hard case. Each has a
+    # live replica in the other DP replica (m2, m3), and two standbys are warm.
+    cluster.stack.kill_machine("m0")
+    cluster.stack.kill_machine("m1")
+    # Whichever failure the planner hears first, the second supersedes its recovery with
+    # one plan that moves both machines.
+    state = await cluster.wait_state(
+        lambda s: any({"m0", "m1"} <= p.leavers() for p in s.in_flight.values()), WAIT_S
+    )
+    (plan,) = state.in_flight.values()
+    assert plan.migration == "unplanned", plan
+    assert plan.state_sources == {"m0": "m2", "m1": "m3"}
+    assert {m.joiner for m in plan.moves} == {"s0", "s1"}
+    done = await cluster.client.wait_for_migration(cluster.job, plan.event_id, timeout=WAIT_S)
+    assert done.state == "done", done.detail
+    assert done.moves == {m.leaver: m.joiner for m in plan.moves}
+    assert done.downtime_s is not None
+    # An earlier failure event whose recovery was superseded ends with the same plan.
+    for event_id in plan.merged_events:
+        merged = await cluster.client.wait_for_migration(cluster.job, event_id, timeout=WAIT_S)
+        assert (merged.state, merged.plan_id) == ("done", plan.plan_id), merged.detail
+    after = await cluster.wait_state(lambda s: not s.in_flight, WAIT_S)
+    assert {m: after.machines[m].status for m in ("m0", "m1", "s0", "s1")} == {
+        "m0": "failed",
+        "m1": "failed",
+        "s0": "active",
+        "s1": "active",
+    }
+
+    # Training went on to its end; the failures changed nothing in the result.
+    assert await cluster.wait_finished(WAIT_S) == ["m2", "m3", "s0", "s1"]
+    assert cluster.mismatches(reference, STEPS) == []
+
+
 # Drained machines stay in maintenance: the pool only shrinks during this test.
 @pytest.mark.parametrize("config", [CONFIG.with_updates(cluster={"maintenance_s": 3600})])
 async def test_a_straggler_is_moved_and_a_failure_without_standby_falls_back(
