@@ -354,7 +354,9 @@ class Planner:
             replanned = self._recover(state, [], now)
             replanned.progress = outcome.progress + replanned.progress
             return replanned
-        state = _drop_plan(state, plan, restore_joiner=False)
+        # Its stayers may have built (or still be building) its groups: the new plan
+        # must not rendezvous under the same store prefixes.
+        state = _cancel_plan(state, plan)
         leaver = plan.moves[0].leaver
         state = _set_machine(state, leaver, status="active")
         kind_event = DrainEvent(

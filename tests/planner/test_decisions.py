@@ -317,6 +317,11 @@ def test_dead_joiner_is_replaced_by_another_standby(planner):
     assert plan.moves[0].joiner == "s1" and plan.event_id == planned.plans[0].event_id
     assert out.cancelled == [planned.plans[0].plan_id]
     assert statuses(out.state)["s0"] == "failed"
+    # Stayers may still be building the cancelled plan's groups: the replacement takes
+    # newer generations (other store prefixes) for every one of them.
+    old = {g.name: g.generation for g in planned.plans[0].groups}
+    assert all(g.generation > old[g.name] for g in plan.groups if g.name in old)
+    assert old.items() <= out.state.claimed_generations.items()
 
 
 def test_done_makes_the_joiner_active_and_bumps_generations(planner):
