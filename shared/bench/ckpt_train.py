@@ -34,7 +34,6 @@ from trainmover.runtime.groups import GroupTable, build_group
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import RankRef, group_specs
 from trainmover.runtime.state import TrainingState, load_saved
-from trainmover.runtime.train_step import train_step
 
 
 def latest_complete(ckpt_dir: Path, world: int) -> int:
@@ -120,14 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             if stop is not None and r.state.step >= stop:
                 save(r.state, ckpt_dir, role, events)
                 break
-            loss = train_step(
-                r.model,
-                r.optimizer,
-                r.data.next_batch(),
-                groups,
-                cfg.train.micro_batches,
-                cfg.model.d_model,
-            )
+            loss = r.job.step(groups, r.state.step + 1)
             r.state.step += 1
             events.write("step", step=r.state.step, loss=loss)
             if r.state.step % args.every == 0:

@@ -2,8 +2,8 @@
 
 The checkpoint-restart and torchft baselines must train *the same job* as TrainMover:
 same model, initial weights, dropout stream, data and optimizer for a role. This builds
-them exactly as `trainmover.runtime.reference` does (kept in step with it), and writes
-the per-step event lines the harnesses read.
+them with `trainmover.runtime.reference.build` itself, and writes the per-step event
+lines the harnesses read.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from trainmover.runtime.groups import Group
 from trainmover.runtime.layout import GroupKind, Role
 from trainmover.runtime.model import StageModel
 from trainmover.runtime.plan import GroupSpec, RankRef
+from trainmover.runtime.reference import RoleJob, build
 from trainmover.runtime.state import TrainingState
 
 
@@ -34,34 +36,22 @@ class RoleTraining:
     optimizer: torch.optim.Optimizer
     data: TokenStream
     state: TrainingState
+    #: The reference job's own role: `job.step(groups, step)` trains exactly as it does.
+    job: RoleJob
 
 
 CPU = torch.device("cpu")
 
 
 def build_role(
-    cfg: JobConfig, role: Role, tp_group: Any, device: torch.device = CPU
+    cfg: JobConfig, role: Role, tp_group: Callable[[], Group], device: torch.device = CPU
 ) -> RoleTraining:
-    """Model, optimizer and data of `role`, seeded as the reference job seeds them.
-    `tp_group` is a zero-argument callable returning the current TP `Group`."""
+    """Model, optimizer and data of `role`, built and seeded as the reference job builds
+    them. `tp_group` returns the current TP `Group`."""
     torch.manual_seed(cfg.train.seed)
-    dropout = torch.Generator(device=device).manual_seed(
-        cfg.train.seed * 1_000 + role.dp * cfg.layout.pp + role.pp
-    )
-    model = StageModel(cfg.model, cfg.layout, role, cfg.train.seed, tp_group, dropout).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
-    if cfg.train.compile:
-        model.compile()
-    data = TokenStream(
-        seed=cfg.train.seed,
-        seq_len=cfg.model.seq_len,
-        vocab_size=cfg.model.vocab_size,
-        local_batch=cfg.train.micro_batch_size * cfg.train.micro_batches,
-        dp_rank=role.dp,
-        dp_size=cfg.layout.dp,
-    )
-    state = TrainingState(model, optimizer, {"data": data}, {"dropout": dropout})
-    return RoleTraining(model, optimizer, data, state)
+    job = build(cfg, role, tp_group, device)
+    state = TrainingState(job.model, job.optimizer, {"data": job.data}, {"dropout": job.dropout})
+    return RoleTraining(job.model, job.optimizer, job.data, state, job)
 
 
 def solo_group(kind: GroupKind, name: str) -> Group:

@@ -147,15 +147,8 @@ class AbortSignal:
             except FutureTimeout:
                 pass
             except RuntimeError as exc:  # e.g. the peer's connection closed
-                error = CollectiveError(group, peer_machine, str(exc).strip()[:500])
-                self.fail(error)
-                raise error from None
-            if self.is_set():
-                raise StepAborted(f"{group}: step aborted ({self.reason})")
-            if time.monotonic() > deadline:
-                error = CollectiveError(group, peer_machine, f"no progress in {limit:.0f}s")
-                self.fail(error)
-                raise error
+                raise self._failed(group, peer_machine, str(exc).strip()[:500]) from None
+            self._check(group, peer_machine, limit, deadline)
 
     def wait_work(
         self, work: Any, group: str, peer_machine: str | None, timeout_s: float | None = None
@@ -174,12 +167,19 @@ class AbortSignal:
                         work.wait()
                         return
                     except RuntimeError as exc:  # e.g. the peer's connection closed
-                        error = CollectiveError(group, peer_machine, str(exc).strip()[:500])
-                        self.fail(error)
-                        raise error from None
-            if self.is_set():
-                raise StepAborted(f"{group}: step aborted ({self.reason})")
-            if time.monotonic() > deadline:
-                error = CollectiveError(group, peer_machine, f"no progress in {limit:.0f}s")
-                self.fail(error)
-                raise error
+                        raise self._failed(group, peer_machine, str(exc).strip()[:500]) from None
+            self._check(group, peer_machine, limit, deadline)
+
+    def _check(self, group: str, peer_machine: str | None, limit: float, deadline: float) -> None:
+        """Between two polls of a wait: StepAborted once the epoch is aborted, a
+        CollectiveError (aborting the epoch) past the deadline."""
+        if self.is_set():
+            raise StepAborted(f"{group}: step aborted ({self.reason})")
+        if time.monotonic() > deadline:
+            raise self._failed(group, peer_machine, f"no progress in {limit:.0f}s")
+
+    def _failed(self, group: str, peer_machine: str | None, reason: str) -> CollectiveError:
+        """The error of a failed wait, with the epoch aborted for every other wait."""
+        error = CollectiveError(group, peer_machine, reason)
+        self.fail(error)
+        return error

@@ -17,7 +17,7 @@ import torch
 
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.data import TokenStream
-from trainmover.runtime.groups import GroupTable
+from trainmover.runtime.groups import Group, GroupTable
 from trainmover.runtime.layout import Role
 from trainmover.runtime.model import StageModel
 from trainmover.runtime.train_step import train_step
@@ -60,13 +60,13 @@ class RoleJob:
         )
 
 
-def build(cfg: JobConfig, role: Role, groups: GroupTable, device: torch.device) -> RoleJob:
-    """The role's model (collectives looked up in `groups` at call time), optimizer and
-    data reader."""
+def build(
+    cfg: JobConfig, role: Role, tp_group: Callable[[], Group], device: torch.device
+) -> RoleJob:
+    """The role's model, optimizer, data reader and dropout generator. `tp_group` returns
+    the current TP group at call time (a migration replaces it)."""
     dropout = torch.Generator(device=device)
-    model = StageModel(
-        cfg.model, cfg.layout, role, cfg.train.seed, lambda: groups["tp"], dropout
-    ).to(device)
+    model = StageModel(cfg.model, cfg.layout, role, cfg.train.seed, tp_group, dropout).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
     if cfg.train.compile:
         # Eager and compiled results differ numerically: a joiner runs the leaver's
@@ -89,7 +89,7 @@ def main() -> int:
         warm_up()
 
         def shadow(role: Role, groups: GroupTable) -> Callable[[], object]:
-            job = build(cfg, role, groups, rt.device)
+            job = build(cfg, role, lambda: groups["tp"], rt.device)
             steps = itertools.count(1)
             return lambda: job.step(groups, next(steps))
 
@@ -97,7 +97,7 @@ def main() -> int:
         if role is None:
             return 0  # a standby released without being used
         torch.manual_seed(cfg.train.seed)
-        job = build(cfg, role, rt.groups, rt.device)
+        job = build(cfg, role, lambda: rt.groups["tp"], rt.device)
         rt.track(
             job.model,
             job.optimizer,
