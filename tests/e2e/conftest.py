@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainmover.localcluster import LocalCluster
+from trainmover.messages import MigrationProgress
 from trainmover.runtime.compare import state_files
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.driver import LocalJob
@@ -68,3 +69,19 @@ async def cluster(
     # started before it would train to its end unobserved (the bus dropping its stats).
     async with LocalCluster(config, tmp_path) as running:
         yield running
+
+
+async def next_progress(
+    items: AsyncIterator[object], event_id: str, state: str
+) -> MigrationProgress:
+    """The next progress of `event_id` in `state` on an open watch."""
+    async for item in items:
+        if isinstance(item, MigrationProgress) and (item.event_id, item.state) == (event_id, state):
+            return item
+    raise AssertionError("watch ended")
+
+
+async def progress_reaches(cluster: LocalCluster, event_id: str, state: str) -> MigrationProgress:
+    """The progress of `event_id` in `state`, from the start of the job's history."""
+    async with cluster.client.watch(cluster.job, from_start=True) as items:
+        return await next_progress(items, event_id, state)

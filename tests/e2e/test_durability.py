@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 from nats.js.api import DeliverPolicy
 
-from tests.e2e.conftest import STEPS, WAIT_S
+from tests.e2e.conftest import STEPS, WAIT_S, progress_reaches
 from trainmover import bus
 from trainmover.localcluster import LocalCluster as Cluster
 from trainmover.messages import DrainEvent, MigrationProgress, decode, decode_event
@@ -42,16 +42,6 @@ async def _stream(cluster: Cluster, subject: str, stream: str) -> list[bytes]:
         await sub.unsubscribe()
 
 
-async def _reaches(cluster: Cluster, event_id: str, state: str) -> None:
-    async with cluster.client.watch(cluster.job, from_start=True) as items:
-        async for item in items:
-            if isinstance(item, MigrationProgress) and (item.event_id, item.state) == (
-                event_id,
-                state,
-            ):
-                return
-
-
 async def test_server_restart_mid_migration_loses_nothing(cluster: Cluster, reference) -> None:
     subjects = JobSubjects(cluster.job)
     await cluster.wait_step("m1", 10, WAIT_S)
@@ -61,7 +51,7 @@ async def test_server_restart_mid_migration_loses_nothing(cluster: Cluster, refe
         WAIT_S,
     )
     first = await cluster.client.drain(cluster.job, "m1", reason="before the crash")
-    await asyncio.wait_for(_reaches(cluster, first, "phase1"), WAIT_S)
+    await asyncio.wait_for(progress_reaches(cluster, first, "phase1"), WAIT_S)
     # A second drain (m2 shares no group with m1) is acked by the bus, and the server
     # crashes at once, most likely before the planner has fetched it.
     second = DrainEvent(job=cluster.job, machine="m2", reason="acked, then the crash")

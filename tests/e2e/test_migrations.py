@@ -10,11 +10,11 @@ import asyncio
 
 import pytest
 
-from tests.e2e.conftest import CONFIG, STEPS, WAIT_S
+from tests.e2e.conftest import CONFIG, STEPS, WAIT_S, next_progress, progress_reaches
 from trainmover import bus
 from trainmover.client import MachineLeaving, UnknownMachine
 from trainmover.localcluster import LocalCluster as Cluster
-from trainmover.messages import Command, DrainEvent, MigrationProgress, StragglerEvent
+from trainmover.messages import Command, DrainEvent, StragglerEvent
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -50,23 +50,11 @@ async def test_drain_through_the_client(cluster: Cluster, reference) -> None:
     assert cluster.mismatches(reference, STEPS) == []
 
 
-async def _progress_reaches(cluster: Cluster, event_id: str, state: str) -> MigrationProgress:
-    async with cluster.client.watch(cluster.job, from_start=True) as items:
-        async for item in items:
-            if (
-                isinstance(item, MigrationProgress)
-                and item.event_id == event_id
-                and item.state == state
-            ):
-                return item
-    raise AssertionError("watch ended")
-
-
 async def test_services_restarted_mid_migration_complete_it(cluster: Cluster, reference) -> None:
     await cluster.wait_step("m0", 10, WAIT_S)
     # The executor dies as phase 1 starts; its successor resumes the record.
     first = await cluster.client.drain(cluster.job, "m0", reason="executor restart")
-    await asyncio.wait_for(_progress_reaches(cluster, first, "phase1"), WAIT_S)
+    await asyncio.wait_for(progress_reaches(cluster, first, "phase1"), WAIT_S)
     await cluster.stack.restart_service("executor")
     done = await cluster.client.wait_for_migration(cluster.job, first, timeout=WAIT_S)
     assert done.state == "done", done.detail
@@ -74,7 +62,7 @@ async def test_services_restarted_mid_migration_complete_it(cluster: Cluster, re
     # The planner dies right after publishing its plan; its successor learns the end of
     # the migration from the durable progress stream.
     second = await cluster.client.drain(cluster.job, "m3", reason="planner restart")
-    await asyncio.wait_for(_progress_reaches(cluster, second, "planned"), WAIT_S)
+    await asyncio.wait_for(progress_reaches(cluster, second, "planned"), WAIT_S)
     await cluster.stack.restart_service("planner")
     done = await cluster.client.wait_for_migration(cluster.job, second, timeout=WAIT_S)
     assert done.state == "done", done.detail
@@ -187,23 +175,12 @@ async def test_a_straggler_is_moved_and_a_failure_without_standby_falls_back(
     assert (await cluster.client.wait_for_migration(cluster.job, second, WAIT_S)).state == "done"
     failure = await cluster.client.report_failure(cluster.job, "m1", reason="test")
     async with cluster.client.watch(cluster.job, from_start=True) as items:
-        fallback = await asyncio.wait_for(_next_progress(items, failure, "fallback"), WAIT_S)
+        fallback = await asyncio.wait_for(next_progress(items, failure, "fallback"), WAIT_S)
     assert "checkpoint restart" in fallback.detail and "no warm standby" in fallback.detail
 
 
 async def _next_straggler(items) -> StragglerEvent:
     async for item in items:
         if isinstance(item, StragglerEvent):
-            return item
-    raise AssertionError("watch ended")
-
-
-async def _next_progress(items, event_id: str, state: str) -> MigrationProgress:
-    async for item in items:
-        if (
-            isinstance(item, MigrationProgress)
-            and item.event_id == event_id
-            and item.state == state
-        ):
             return item
     raise AssertionError("watch ended")
