@@ -143,7 +143,11 @@ class ExecutorService:
             record = decode(MigrationRecord, entry.value)
             if record.step in ("done", "failed", "withdrawn"):
                 continue
-            if in_flight is not None and record.plan.plan_id not in in_flight:
+            if (
+                in_flight is not None
+                and record.plan.plan_id not in in_flight
+                and record.step != "releasing"  # switched: the planner let it go already
+            ):
                 await self._withdraw(record, None)
             else:
                 log.info(
@@ -250,6 +254,10 @@ class ExecutorService:
 
     async def _withdraw(self, record: MigrationRecord, state: ClusterState | None) -> None:
         """Stops a withdrawn plan's migration and tells the machines it left half way."""
+        if record.step == "releasing":
+            # Every rank switched: the planner applied the migration at this step and
+            # dropped it; the leaver's release runs to its end.
+            return
         plan = record.plan
         task = self._running.pop(plan.plan_id, None)
         if task is not None:

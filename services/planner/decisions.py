@@ -477,11 +477,14 @@ class Planner:
     # --- progress from the executor -----------------------------------------------------
 
     def on_progress(self, state: ClusterState, progress: MigrationProgress, now: float) -> Outcome:
-        """Applies the end of a migration to the state; non-terminal progress is ignored."""
+        """Applies the end of a migration to the state. A planned migration ends for the
+        job at `releasing`: every rank has switched, and what is left (the leaver's
+        workers exiting) cannot undo it, so a leaver dying then is not a failure of the
+        migration. Other non-terminal progress is ignored."""
         plan = state.in_flight.get(progress.plan_id or "")
-        if plan is None or progress.state not in ("done", "failed", "aborted"):
+        if plan is None or progress.state not in ("done", "releasing", "failed", "aborted"):
             return Outcome(state)
-        if progress.state == "done":
+        if progress.state in ("done", "releasing"):
             state = _drop_plan(state, plan, restore_joiner=False)
             generations = dict(state.generations)
             for spec in plan.groups:

@@ -371,7 +371,7 @@ class GroupBuilder:
             with self._lock:
                 self._done.set()
                 discarded = self._discarded
-            if discarded:
+            if discarded or self.error is not None:  # nobody will install these groups
                 self._shutdown_built()
 
     @property
@@ -407,6 +407,12 @@ class GroupBuilder:
     @property
     def discarded(self) -> bool:
         return self._discarded
+
+    @property
+    def troubled(self) -> bool:
+        """Discarded, failed or still running: its rendezvous may have left gloo state
+        behind in this process."""
+        return self._discarded or self.error is not None or not self.done
 
     def settle(self, timeout_s: float) -> bool:
         """Waits until the build thread ended (a discarded build ends at the latest when

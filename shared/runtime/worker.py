@@ -28,8 +28,11 @@ position, RNGs) so it re-executes with the same data after `recover`. A standby 
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -143,6 +146,7 @@ class Runtime:
         self._recovery: _Recovery | None = None
         self._superseded: set[str] = set()  # recover plans replaced by a newer one
         self._builders: list[GroupBuilder] = []
+        self._troubled_builds = 0  # builds discarded or failed (see `close`)
         self._in_flight: int | None = None
         self._voted = self._discarded = self._committed_in_flight = False
         self._warm_queue: list[c.Warm] = []
@@ -449,6 +453,14 @@ class Runtime:
         for builder in self._builders:
             if builder.discarded and not builder.settle(self._timeout_s):
                 self.log.warning("abandoned_build_still_running", groups=len(builder.specs))
+        troubled = self._troubled_builds + sum(1 for b in self._builders if b.troubled)
+        if troubled:
+            # Even once it ended, an abandoned or failed gloo rendezvous can leave C++
+            # threads that interpreter teardown destroys joinable: the process then aborts
+            # ("terminate called without an active exception", SIGABRT) after a clean
+            # exit, and its supervisor reports a crash. Such a process ends without it.
+            self.log.info("exit_without_teardown", troubled_builds=troubled)
+            atexit.register(_end_without_teardown, 1 if reason == "error" else 0)
         self.records.close()
         step = self._state.step if self._state else 0
         self.log.info("exit", reason=reason, step=step, error=error or None)
@@ -933,5 +945,15 @@ class Runtime:
         builder = GroupBuilder(
             specs, self.me, store, self.config.job, self.device, self._timeout_s, self.signal
         )
+        self._troubled_builds += sum(1 for b in self._builders if b.done and b.troubled)
         self._builders = [b for b in self._builders if not b.done] + [builder]
         return builder.start(name)
+
+
+def _end_without_teardown(code: int) -> None:
+    """atexit: ends the process here, its output flushed, before interpreter teardown
+    (see `Runtime.close`)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -324,6 +324,24 @@ def test_dead_joiner_is_replaced_by_another_standby(planner):
     assert old.items() <= out.state.claimed_generations.items()
 
 
+def test_a_leaver_dying_after_the_switch_does_not_undo_the_migration(planner):
+    planned = planner.on_event(sample_state(JOB), drain("m2"), NOW)
+    plan = planned.plans[0]
+    releasing = MigrationProgress(
+        job=JOB, event_id=plan.event_id, plan_id=plan.plan_id, state="releasing"
+    )
+    out = planner.on_progress(planned.state, releasing, NOW)
+    # Every rank switched: the job runs on the joiner, whatever happens to the leaver.
+    assert statuses(out.state)["s0"] == "active" and statuses(out.state)["m2"] == "maintenance"
+    assert not out.state.in_flight
+    dead = planner.on_event(out.state, failure("m2"), NOW)
+    assert not dead.plans and not dead.cancelled
+    assert statuses(dead.state)["s0"] == "active"
+    # The executor's "done" that follows changes nothing more.
+    done = releasing.model_copy(update={"state": "done"})
+    assert planner.on_progress(dead.state, done, NOW).state == dead.state
+
+
 def test_done_makes_the_joiner_active_and_bumps_generations(planner):
     planned = planner.on_event(sample_state(JOB), drain("m2"), NOW)
     plan = planned.plans[0]
