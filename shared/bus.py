@@ -340,6 +340,51 @@ async def _job_bucket(js: JetStreamContext, job: str, create: bool = False) -> K
         return await js.create_key_value(bucket=bucket, history=16, storage=StorageType.FILE)
 
 
+async def pump(
+    sub: Any,
+    handle: Callable[[Msg], Awaitable[None]],
+    *,
+    job: str,
+    consumer: str,
+    batch: int = 16,
+    recover: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Pulls the durable consumer `sub` forever, handing each message to `handle`, which
+    acks it once handled. A failed fetch (the bus reconnecting) is retried. A message
+    whose handling fails (the bus went away mid-decision) is not lost: after `recover()`
+    it and the rest of its batch are redelivered, in order."""
+    while True:
+        try:
+            msgs = await sub.fetch(batch, timeout=1.0)
+        except (TimeoutError, NatsTimeout):
+            continue
+        except Exception as err:
+            log.warning("fetch_failed", job=job, consumer=consumer, error=str(err))
+            await asyncio.sleep(0.2)
+            continue
+        for i, msg in enumerate(msgs):
+            try:
+                await handle(msg)
+            except Exception as err:
+                log.warning(
+                    "input_retry",
+                    job=job,
+                    consumer=consumer,
+                    subject=msg.subject,
+                    reason=f"handling failed, redelivering: {type(err).__name__}: {err}",
+                )
+                await asyncio.sleep(0.5)
+                if recover is not None:
+                    try:
+                        await recover()
+                    except Exception as again:
+                        log.warning("recover_failed", job=job, consumer=consumer, error=str(again))
+                for unhandled in msgs[i:]:
+                    with contextlib.suppress(Exception):
+                        await unhandled.nak(delay=1)
+                break
+
+
 async def publish_durable(
     js: JetStreamContext,
     subject: str,

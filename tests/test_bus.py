@@ -150,3 +150,39 @@ async def test_malformed_command_is_answered_and_dead_lettered(nc, job):
     )
     letter = decode(DeadLetter, letters[0])
     assert letter.payload == '{"op": "commit"' and "malformed JSON" in letter.reason
+
+
+async def test_pump_redelivers_what_a_handler_failed_on_in_order(nc, job):
+    js = nc.jetstream()
+    await bus.ensure_job(js, job)
+    subjects = JobSubjects(job)
+    events = [DrainEvent(job=job, machine=f"m{i}") for i in range(3)]
+    for event in events:
+        await bus.publish_durable(js, subjects.event("drain"), event, msg_id=event.event_id)
+    sub = await js.pull_subscribe(
+        subjects.events, durable=f"pump-{job}", config=ConsumerConfig(ack_wait=30)
+    )
+    handled: list[str] = []
+    recovered = asyncio.Event()
+    done = asyncio.Event()
+
+    async def handle(msg) -> None:
+        machine = decode_event(msg.data).machine
+        if machine == "m1" and not recovered.is_set():
+            raise ConnectionError("the bus went away mid-decision")
+        handled.append(machine)
+        await msg.ack()
+        if len(handled) == 3:
+            done.set()
+
+    async def recover() -> None:
+        recovered.set()
+
+    task = asyncio.create_task(bus.pump(sub, handle, job=job, consumer="test", recover=recover))
+    try:
+        # Redelivered after 1 s (nak), far sooner than the consumer's 30 s ack wait.
+        await asyncio.wait_for(done.wait(), 15)
+    finally:
+        task.cancel()
+    assert recovered.is_set()
+    assert handled == ["m0", "m1", "m2"]

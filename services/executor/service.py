@@ -156,17 +156,7 @@ class ExecutorService:
                 self._launch(record)
 
     async def _pump(self, sub: object) -> None:
-        while True:
-            try:
-                msgs = await sub.fetch(8, timeout=1.0)  # type: ignore[attr-defined]
-            except TimeoutError:
-                continue
-            except Exception as err:
-                log.warning("fetch_failed", job=self.job, error=str(err))
-                await asyncio.sleep(0.2)
-                continue
-            for msg in msgs:
-                await self._on_plan(msg)
+        await bus.pump(sub, self._on_plan, job=self.job, consumer="executor", batch=8)
 
     async def _on_plan(self, msg: Msg) -> None:
         assert self._kv is not None

@@ -44,7 +44,7 @@ from trainmover.messages import (
     decode_event,
     new_id,
 )
-from trainmover.runtime.layout import Layout, MachineRole
+from trainmover.runtime.layout import ROLE_GROUP_KINDS, Layout, MachineRole
 from trainmover.runtime.plan import compute_delta
 
 Event = DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent
@@ -123,8 +123,9 @@ class Planner:
         busy = _rebuilding(state, leaver)
         if busy is not None:
             # Two plans must never rebuild one group at once (both would claim its next
-            # generation): a drain waits for the other migration, anything else is dropped.
-            reason = f"migration {busy.plan_id[:8]} is rebuilding {leaver}'s groups"
+            # generation), nor involve one rank twice (a rank runs one migration at a
+            # time): a drain waits for the other migration, anything else is dropped.
+            reason = f"migration {busy.plan_id[:8]} involves {leaver}'s groups"
             if isinstance(event, DrainEvent):
                 return self._queue(state, event, leaver, f"{reason}: the drain waits")
             return self._reject(state, event, reason)
@@ -606,16 +607,36 @@ def _drop_plan(state: ClusterState, plan: Plan, restore_joiner: bool) -> Cluster
 
 
 def _rebuilding(state: ClusterState, machine: str) -> Plan | None:
-    """An in-flight plan that rebuilds a group of `machine`'s role, if any. A recovery
-    counts for every machine: every rank of the job takes part in it."""
+    """An in-flight plan that a migration of `machine` would collide with, if any: one
+    with a machine in common with the groups of `machine`'s role (a rank takes part in
+    one migration at a time, even where the two plans' groups differ). A recovery counts
+    for every machine: every rank of the job takes part in it."""
     recovery = next((p for p in state.in_flight.values() if p.migration != "planned"), None)
     if recovery is not None:
         return recovery
     cell = state.machines[machine].cell
     if cell is None:
         return None
-    mine = set(state.layout.groups_containing(state.layout.roles_of(cell)))
-    return next((p for p in state.in_flight.values() if mine & {g.name for g in p.groups}), None)
+    layout = state.layout
+    cells = {
+        (member.dp, member.pp)
+        for role in layout.roles_of(cell)
+        for kind in ROLE_GROUP_KINDS
+        for member in layout.group_members(kind, role)
+    }
+    mine = {
+        name
+        for name, m in state.machines.items()
+        if m.cell is not None and (m.cell.dp, m.cell.pp) in cells
+    }
+    return next(
+        (
+            p
+            for p in state.in_flight.values()
+            if mine & {ref.machine for g in p.groups for ref in g.members}
+        ),
+        None,
+    )
 
 
 def _plan_with_leaver(state: ClusterState, machine: str) -> Plan | None:

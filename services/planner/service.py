@@ -16,6 +16,7 @@ import hashlib
 import statistics
 import time
 from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -192,18 +193,15 @@ class PlannerService:
 
     # --- inputs ----------------------------------------------------------------------
 
-    async def _pump(self, sub: object, handle: object) -> None:
-        while True:
-            try:
-                msgs = await sub.fetch(16, timeout=1.0)  # type: ignore[attr-defined]
-            except TimeoutError:
-                continue
-            except Exception as err:  # the bus reconnects; keep pulling
-                log.warning("fetch_failed", job=self._job, error=str(err))
-                await asyncio.sleep(0.2)
-                continue
-            for msg in msgs:
-                await handle(msg)  # type: ignore[operator]
+    async def _pump(self, sub: object, handle: Callable[[Msg], Awaitable[None]]) -> None:
+        await bus.pump(sub, handle, job=self._job, consumer="planner", recover=self._resync)
+
+    async def _resync(self) -> None:
+        """After a decision broke off (the bus went away): the stored state is the truth,
+        and a stored but unsent outbox goes out before anything else is decided."""
+        async with self._lock:
+            await self._load()
+            await self._flush_outbox()
 
     async def _on_event(self, msg: Msg) -> None:
         try:

@@ -18,7 +18,7 @@ from nats.js.api import DeliverPolicy
 from tests.e2e.conftest import STEPS, WAIT_S, progress_reaches
 from trainmover import bus
 from trainmover.localcluster import LocalCluster as Cluster
-from trainmover.messages import DrainEvent, MigrationProgress, decode, decode_event
+from trainmover.messages import Command, DrainEvent, MigrationProgress, decode, decode_event
 from trainmover.subjects import JobSubjects
 
 pytestmark = pytest.mark.timeout(900)
@@ -45,15 +45,23 @@ async def _stream(cluster: Cluster, subject: str, stream: str) -> list[bytes]:
 async def test_server_restart_mid_migration_loses_nothing(cluster: Cluster, reference) -> None:
     subjects = JobSubjects(cluster.job)
     await cluster.wait_step("m1", 10, WAIT_S)
-    # Both standbys warm, so both drains are planned at once, well before the last step.
+    # Both standbys warm, so each drain finds one.
     await cluster.wait_state(
         lambda s: all(m in s.machines and s.machines[m].warm_role_types for m in ("s0", "s1")),
         WAIT_S,
     )
+    # On a quiet host the remaining steps take seconds, less than the restarted server
+    # and the services need to catch up: every machine sleeps 0.4 s more per step (no
+    # change to the training result; all alike, so none looks like a straggler).
+    for machine in ("m0", "m1", "m2", "m3"):
+        slow = Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": 0.4})
+        reply = await bus.request(cluster.nc, slow)
+        assert reply.ok, reply.error
     first = await cluster.client.drain(cluster.job, "m1", reason="before the crash")
     await asyncio.wait_for(progress_reaches(cluster, first, "phase1"), WAIT_S)
-    # A second drain (m2 shares no group with m1) is acked by the bus, and the server
-    # crashes at once, most likely before the planner has fetched it.
+    # A second drain (of m2: m3 is a stayer of both, so it runs after the first) is
+    # acked by the bus, and the server crashes at once, most likely before the planner
+    # has fetched it.
     second = DrainEvent(job=cluster.job, machine="m2", reason="acked, then the crash")
     await bus.publish_durable(
         cluster.nc.jetstream(), subjects.event("drain"), second, msg_id=second.event_id
