@@ -143,11 +143,7 @@ class ExecutorService:
             record = decode(MigrationRecord, entry.value)
             if record.step in ("done", "failed", "withdrawn"):
                 continue
-            if (
-                in_flight is not None
-                and record.plan.plan_id not in in_flight
-                and record.step != "releasing"  # switched: the planner let it go already
-            ):
+            if in_flight is not None and _withdrawn(record, in_flight):
                 await self._withdraw(record, None)
             else:
                 log.info(
@@ -176,7 +172,7 @@ class ExecutorService:
         record = MigrationRecord(plan=plan, groups_total=self.groups_total)
         await self._kv.put(key, record.to_json())
         await msg.ack()
-        if plan.plan_id in self._seen and plan.plan_id not in (self._in_flight or set()):
+        if plan.plan_id in self._seen and _withdrawn(record, self._in_flight or set()):
             await self._withdraw(record, None)
             return
         log.info(
@@ -239,15 +235,12 @@ class ExecutorService:
             self._in_flight = set(state.in_flight)
             self._seen |= self._in_flight
             for plan_id in list(self._running):
-                if plan_id in self._seen and plan_id not in self._in_flight:
-                    await self._withdraw(self._records[plan_id], state)
+                record = self._records[plan_id]
+                if plan_id in self._seen and _withdrawn(record, self._in_flight):
+                    await self._withdraw(record, state)
 
     async def _withdraw(self, record: MigrationRecord, state: ClusterState | None) -> None:
         """Stops a withdrawn plan's migration and tells the machines it left half way."""
-        if record.step == "releasing":
-            # Every rank switched: the planner applied the migration at this step and
-            # dropped it; the leaver's release runs to its end.
-            return
         plan = record.plan
         task = self._running.pop(plan.plan_id, None)
         if task is not None:
@@ -332,3 +325,9 @@ class ExecutorService:
             detail=progress.detail,
             downtime_s=progress.downtime_s,
         )
+
+
+def _withdrawn(record: MigrationRecord, in_flight: set[str]) -> bool:
+    """The planner dropped the plan before its switch. At `releasing` every rank has
+    switched and the planner lets the plan go; its release still runs to its end."""
+    return record.plan.plan_id not in in_flight and record.step != "releasing"

@@ -30,14 +30,23 @@ from trainmover.runtime.state import TrainingState
 
 @dataclass
 class RoleTraining:
-    """A role's model, optimizer, data reader and the state that tracks them."""
+    """A role of the reference job (`job.step(groups, step)` trains exactly as it does)
+    and the state that tracks it."""
 
-    model: StageModel
-    optimizer: torch.optim.Optimizer
-    data: TokenStream
-    state: TrainingState
-    #: The reference job's own role: `job.step(groups, step)` trains exactly as it does.
     job: RoleJob
+    state: TrainingState
+
+    @property
+    def model(self) -> StageModel:
+        return self.job.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.job.optimizer
+
+    @property
+    def data(self) -> TokenStream:
+        return self.job.data
 
 
 CPU = torch.device("cpu")
@@ -51,7 +60,7 @@ def build_role(
     torch.manual_seed(cfg.train.seed)
     job = build(cfg, role, tp_group, device)
     state = TrainingState(job.model, job.optimizer, {"data": job.data}, {"dropout": job.dropout})
-    return RoleTraining(job.model, job.optimizer, job.data, state, job)
+    return RoleTraining(job, state)
 
 
 def solo_group(kind: GroupKind, name: str) -> Group:

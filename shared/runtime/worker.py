@@ -146,7 +146,6 @@ class Runtime:
         self._recovery: _Recovery | None = None
         self._superseded: set[str] = set()  # recover plans replaced by a newer one
         self._builders: list[GroupBuilder] = []
-        self._troubled_builds = 0  # builds discarded or failed (see `close`)
         self._in_flight: int | None = None
         self._voted = self._discarded = self._committed_in_flight = False
         self._warm_queue: list[c.Warm] = []
@@ -453,7 +452,7 @@ class Runtime:
         for builder in self._builders:
             if builder.discarded and not builder.settle(self._timeout_s):
                 self.log.warning("abandoned_build_still_running", groups=len(builder.specs))
-        troubled = self._troubled_builds + sum(1 for b in self._builders if b.troubled)
+        troubled = sum(1 for b in self._builders if b.troubled)
         if troubled:
             # Even once it ended, an abandoned or failed gloo rendezvous can leave C++
             # threads that interpreter teardown destroys joinable: the process then aborts
@@ -945,8 +944,8 @@ class Runtime:
         builder = GroupBuilder(
             specs, self.me, store, self.config.job, self.device, self._timeout_s, self.signal
         )
-        self._troubled_builds += sum(1 for b in self._builders if b.done and b.troubled)
-        self._builders = [b for b in self._builders if not b.done] + [builder]
+        # A troubled build is kept to the end: `close` decides how the process exits.
+        self._builders = [b for b in self._builders if b.troubled] + [builder]
         return builder.start(name)
 
 
