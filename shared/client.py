@@ -157,6 +157,11 @@ class TrainMoverClient:
                     f"machine {event.machine!r} is already {machine.status}: nothing to "
                     f"{event.kind}"
                 )
+            if event.kind != "failure" and any(q.machine == event.machine for q in state.queued):
+                raise MachineLeaving(
+                    f"machine {event.machine!r} is already queued to leave (waiting for a "
+                    f"standby): nothing to {event.kind}"
+                )
         await bus.publish_durable(
             self._js, JobSubjects(event.job).event(event.kind), event, msg_id=event.event_id
         )

@@ -121,6 +121,20 @@ class LocalCluster:
         finally:
             await watcher.stop()
 
+    async def wait_standbys_warm(self, timeout: float) -> ClusterState:
+        """Until every configured standby is in the pool, warm for some role type: a
+        migration asked for before then waits (a drain) or falls back (a failure)."""
+        standbys = self.config.cluster.standbys
+        return await self.wait_state(
+            lambda s: all(
+                m in s.machines
+                and s.machines[m].status == "standby"
+                and s.machines[m].warm_role_types
+                for m in standbys
+            ),
+            timeout,
+        )
+
     async def wait_finished(self, timeout: float) -> list[str]:
         """Until every worker of every active machine exited cleanly (training ended);
         returns those machines."""

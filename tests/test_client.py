@@ -22,6 +22,7 @@ from trainmover.messages import (
     DrainEvent,
     FailureEvent,
     MigrationProgress,
+    QueuedEvent,
 )
 from trainmover.subjects import JobSubjects
 
@@ -103,6 +104,15 @@ async def test_drain_of_machine_already_leaving_is_refused(tm, nc, job):
         await tm.drain(job, "m0")
     # A failure of a leaving machine is still news: the planner switches paths.
     assert await tm.report_failure(job, "m0")
+
+
+async def test_drain_of_machine_queued_to_leave_is_refused(tm, nc, job):
+    state = sample_state(job, standbys=0)
+    drain = DrainEvent(job=job, machine="m1")
+    queued = QueuedEvent(event_id=drain.event_id, machine="m1", raw=drain.model_dump_json())
+    await register_job(nc, job, state.model_copy(update={"queued": [queued]}))
+    with pytest.raises(MachineLeaving, match="already queued to leave"):
+        await tm.drain(job, "m1")
 
 
 async def test_wait_for_migration_times_out(tm, nc, job):

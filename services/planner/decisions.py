@@ -109,6 +109,8 @@ class Planner:
             return self._reject(state, event, f"{event.machine} is a standby: nothing to move")
         if current.status != "active":
             return self._reject(state, event, f"{event.machine} is already {current.status}")
+        if any(q.machine == event.machine for q in state.queued):
+            return self._reject(state, event, f"{event.machine} is already queued to leave")
         if isinstance(event, StragglerEvent):
             until = state.cooldown_until.get(event.machine, 0.0)
             if now < until:

@@ -45,11 +45,7 @@ async def _stream(cluster: Cluster, subject: str, stream: str) -> list[bytes]:
 async def test_server_restart_mid_migration_loses_nothing(cluster: Cluster, reference) -> None:
     subjects = JobSubjects(cluster.job)
     await cluster.wait_step("m1", 10, WAIT_S)
-    # Both standbys warm, so each drain finds one.
-    await cluster.wait_state(
-        lambda s: all(m in s.machines and s.machines[m].warm_role_types for m in ("s0", "s1")),
-        WAIT_S,
-    )
+    await cluster.wait_standbys_warm(WAIT_S)  # so each drain finds one
     # On a quiet host the remaining steps take seconds, less than the restarted server
     # and the services need to catch up: every machine sleeps 0.4 s more per step (no
     # change to the training result; all alike, so none looks like a straggler).

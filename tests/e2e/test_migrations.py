@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(900)
 
 async def test_drain_through_the_client(cluster: Cluster, reference) -> None:
     await cluster.wait_step("m1", 10, WAIT_S)
+    await cluster.wait_standbys_warm(WAIT_S)
     with pytest.raises(UnknownMachine, match="unknown machine 'm9'"):
         await cluster.client.drain(cluster.job, "m9")
     event_id = await cluster.client.drain(cluster.job, "m1", reason="driver update")
@@ -52,6 +53,7 @@ async def test_drain_through_the_client(cluster: Cluster, reference) -> None:
 
 async def test_services_restarted_mid_migration_complete_it(cluster: Cluster, reference) -> None:
     await cluster.wait_step("m0", 10, WAIT_S)
+    await cluster.wait_standbys_warm(WAIT_S)
     # The executor dies as phase 1 starts; its successor resumes the record.
     first = await cluster.client.drain(cluster.job, "m0", reason="executor restart")
     await asyncio.wait_for(progress_reaches(cluster, first, "phase1"), WAIT_S)
@@ -85,6 +87,7 @@ async def test_sigkill_of_a_machine_is_recovered_from_its_replica(
     cluster: Cluster, reference
 ) -> None:
     await cluster.wait_step("m2", 10, WAIT_S)
+    await cluster.wait_standbys_warm(WAIT_S)
     cluster.stack.kill_machine("m2")  # sidecar and workers, at once
     # The health-monitor notices (heartbeats stop, stayers' collectives fail), the planner
     # picks a warm standby and m2's data-parallel replica m0 as the state source.
@@ -111,6 +114,7 @@ async def test_two_machines_killed_at_once_are_recovered_together(
     cluster: Cluster, reference
 ) -> None:
     await cluster.wait_step("m1", 10, WAIT_S)
+    await cluster.wait_standbys_warm(WAIT_S)
     # m0 (dp0, pp0) and m1 (dp0, pp1) share their PP groups: the hard case. Each has a
     # live replica in the other DP replica (m2, m3), and two standbys are warm.
     cluster.stack.kill_machine("m0")

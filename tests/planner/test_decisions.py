@@ -127,6 +127,14 @@ def test_drain_waits_for_a_standby_then_runs(planner):
     assert not admitted.state.queued
 
 
+def test_a_second_drain_of_a_queued_machine_is_rejected(planner):
+    waiting = planner.on_event(sample_state(JOB, standbys=0), drain("m3"), NOW)
+    again = planner.on_event(waiting.state, drain("m3"), NOW)
+    (progress,) = again.progress
+    assert progress.state == "rejected" and "already queued to leave" in progress.detail
+    assert again.state.queued == waiting.state.queued
+
+
 def test_failure_recovers_from_a_data_parallel_replica(planner):
     out = planner.on_event(sample_state(JOB), failure("m1"), NOW)
     (plan,) = out.plans
