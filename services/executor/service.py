@@ -2,7 +2,9 @@
 
 Plans come from a durable JetStream consumer and are acked once their record is stored
 in the executor's bucket; from then on the record, not the stream, is the truth. A
-restarted executor resumes every unfinished record where it stopped.
+restarted executor resumes every unfinished record where it stopped, and a plan
+delivered again after its record was stored (its ack was lost) runs from that record
+unless it is running or over.
 
 The executor follows the planner's cluster state: a plan the planner withdrew (it was in
 the in-flight set and is no longer, unfinished: a recovery superseded it) is not started,
@@ -138,18 +140,8 @@ class ExecutorService:
         in_flight = await self._current_in_flight()
         for key in keys:
             entry = await self._kv.get(key)
-            if not entry.value:
-                continue
-            record = decode(MigrationRecord, entry.value)
-            if record.step in ("done", "failed", "withdrawn"):
-                continue
-            if in_flight is not None and _withdrawn(record, in_flight):
-                await self._withdraw(record, None)
-            else:
-                log.info(
-                    "migration_resumed", job=self.job, plan_id=record.plan.plan_id, step=record.step
-                )
-                self._launch(record)
+            if entry.value:
+                await self._pick_up(decode(MigrationRecord, entry.value), in_flight)
 
     async def _pump(self, sub: object) -> None:
         await bus.pump(sub, self._on_plan, job=self.job, consumer="executor", batch=8)
@@ -164,17 +156,19 @@ class ExecutorService:
             return
         key = f"migration.{plan.plan_id}"
         try:
-            await self._kv.get(key)
-            await msg.ack()  # a redelivered plan: its record already exists
-            return
+            entry = await self._kv.get(key)
         except KeyNotFoundError:
-            pass
+            entry = None
+        if entry is not None and entry.value:
+            # Redelivered: its record was stored, but the ack did not reach the server (the
+            # handler failed there and bus.pump had the plan sent again). Not a duplicate
+            # to drop: nothing may have launched it.
+            await msg.ack()
+            await self._pick_up(decode(MigrationRecord, entry.value), self._known_in_flight(plan))
+            return
         record = MigrationRecord(plan=plan, groups_total=self.groups_total)
         await self._kv.put(key, record.to_json())
         await msg.ack()
-        if plan.plan_id in self._seen and _withdrawn(record, self._in_flight or set()):
-            await self._withdraw(record, None)
-            return
         log.info(
             "plan_accepted",
             job=self.job,
@@ -183,6 +177,25 @@ class ExecutorService:
             migration=plan.migration,
             moves=[(m.leaver, m.joiner) for m in plan.moves],
         )
+        await self._pick_up(record, self._known_in_flight(plan))
+
+    def _known_in_flight(self, plan: Plan) -> set[str] | None:
+        """The planner's in-flight plans, where they can tell whether `plan` was withdrawn:
+        a plan not yet seen in flight may be newer than the latest state we follow."""
+        if plan.plan_id not in self._seen:
+            return None
+        return self._in_flight or set()
+
+    async def _pick_up(self, record: MigrationRecord, in_flight: set[str] | None) -> None:
+        """Runs a stored migration that is not over and not running, unless the planner
+        withdrew it (`in_flight`: its in-flight plans, None where unknown)."""
+        plan_id = record.plan.plan_id
+        if record.step in ("done", "failed", "withdrawn") or plan_id in self._running:
+            return
+        if in_flight is not None and _withdrawn(record, in_flight):
+            await self._withdraw(record, None)
+            return
+        log.info("migration_launched", job=self.job, plan_id=plan_id, step=record.step)
         self._launch(record)
 
     def _launch(self, record: MigrationRecord) -> None:
