@@ -146,6 +146,7 @@ class Runtime:
         self._recovery: _Recovery | None = None
         self._superseded: set[str] = set()  # recover plans replaced by a newer one
         self._builders: list[GroupBuilder] = []
+        self._recoveries = 0  # failures this process lived through (see `close`)
         self._in_flight: int | None = None
         self._voted = self._discarded = self._committed_in_flight = False
         self._warm_queue: list[c.Warm] = []
@@ -453,12 +454,15 @@ class Runtime:
             if builder.discarded and not builder.settle(self._timeout_s):
                 self.log.warning("abandoned_build_still_running", groups=len(builder.specs))
         troubled = sum(1 for b in self._builders if b.troubled)
-        if troubled:
-            # Even once it ended, an abandoned or failed gloo rendezvous can leave C++
-            # threads that interpreter teardown destroys joinable: the process then aborts
+        if troubled or self._recoveries:
+            # Even once it ended, an abandoned or failed gloo rendezvous, or a group whose
+            # peer died in a collective (repaired, then retired), can leave C++ threads
+            # that interpreter teardown destroys joinable: the process then aborts
             # ("terminate called without an active exception", SIGABRT) after a clean
             # exit, and its supervisor reports a crash. Such a process ends without it.
-            self.log.info("exit_without_teardown", troubled_builds=troubled)
+            self.log.info(
+                "exit_without_teardown", troubled_builds=troubled, recoveries=self._recoveries
+            )
             atexit.register(_end_without_teardown, 1 if reason == "error" else 0)
         self.records.close()
         step = self._state.step if self._state else 0
@@ -614,6 +618,7 @@ class Runtime:
         rec = self._recovery
         assert rec is not None and self._state is not None and self.role is not None
         plan, t_start = rec.plan, time.time()
+        self._recoveries += 1
 
         def superseded() -> bool:
             return self._recovery is not rec
