@@ -28,8 +28,20 @@ echo "$3" | tr ',' '\\n'
 """
 
 SRUN = """#!/bin/sh
-# Records one job step's command line; the step then ends at once.
+# Records one job step's command line; the step then ends. A sidecar step first waits
+# (up to 30 s) until the store step is recorded, as in a real job where the store
+# outlives the sidecars: the script stops the store once they ended, and a store step
+# killed before it recorded anything would be missing from the log.
 printf '%s\\n' "$*" >> "$SRUN_LOG"
+case "$*" in
+*" sidecar "*)
+    if [ -n "$WAIT_FOR_STORE" ]; then
+        i=0
+        until grep -q " rendezvous " "$SRUN_LOG" || [ $i -ge 600 ]; do
+            sleep 0.05; i=$((i + 1))
+        done
+    fi ;;
+esac
 """
 
 
@@ -58,6 +70,8 @@ def run_script(
     env.pop(ports.RENDEZVOUS_ENV, None)
     if rendezvous:
         env[ports.RENDEZVOUS_ENV] = rendezvous
+    else:
+        env["WAIT_FOR_STORE"] = "1"
     return subprocess.run(
         ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60
     )
