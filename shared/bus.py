@@ -340,6 +340,50 @@ async def _job_bucket(js: JetStreamContext, job: str, create: bool = False) -> K
         return await js.create_key_value(bucket=bucket, history=16, storage=StorageType.FILE)
 
 
+REDELIVERY_DELAY_S = 1.0
+"""How long a message put back by `pump` waits before the bus sends it again."""
+
+HOLD_MAX_S = 60.0
+"""The longest `pump` holds later messages back behind one whose handling failed (twice
+the consumers' 30 s ack wait: the failed one is back long before, unless it was lost)."""
+
+
+class _Hold:
+    """The stream sequence of the oldest message whose handling failed, while it is out.
+
+    Later messages may already be buffered in the client (a fetch can return a batch in
+    pieces), so putting back the rest of the failed batch is not enough to keep order:
+    every later message is put back too until the failed one has been handled again."""
+
+    def __init__(self) -> None:
+        self.seq: int | None = None
+        self._since = 0.0
+
+    def fail(self, seq: int | None) -> None:
+        if seq is not None and (self.seq is None or seq < self.seq):
+            self.seq, self._since = seq, time.monotonic()
+
+    def holds_back(self, seq: int | None) -> bool:
+        if self.seq is None or seq is None or seq <= self.seq:
+            return False
+        if time.monotonic() - self._since > HOLD_MAX_S:
+            log.warning("hold_released", held_seq=self.seq, reason="never redelivered")
+            self.seq = None
+            return False
+        return True
+
+    def handled(self, seq: int | None) -> None:
+        if self.seq is not None and seq is not None and seq <= self.seq:
+            self.seq = None
+
+
+def _stream_seq(msg: Msg) -> int | None:
+    try:
+        return msg.metadata.sequence.stream
+    except Exception:  # not a JetStream message: nothing to order it by
+        return None
+
+
 async def pump(
     sub: Any,
     handle: Callable[[Msg], Awaitable[None]],
@@ -352,7 +396,8 @@ async def pump(
     """Pulls the durable consumer `sub` forever, handing each message to `handle`, which
     acks it once handled. A failed fetch (the bus reconnecting) is retried. A message
     whose handling fails (the bus went away mid-decision) is not lost: after `recover()`
-    it and the rest of its batch are redelivered, in order."""
+    it is redelivered and handled before any message that came after it."""
+    hold = _Hold()
     while True:
         try:
             msgs = await sub.fetch(batch, timeout=1.0)
@@ -362,7 +407,12 @@ async def pump(
             log.warning("fetch_failed", job=job, consumer=consumer, error=str(err))
             await asyncio.sleep(0.2)
             continue
-        for i, msg in enumerate(msgs):
+        for msg in msgs:
+            seq = _stream_seq(msg)
+            if hold.holds_back(seq):
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=REDELIVERY_DELAY_S)
+                continue
             try:
                 await handle(msg)
             except Exception as err:
@@ -371,18 +421,20 @@ async def pump(
                     job=job,
                     consumer=consumer,
                     subject=msg.subject,
+                    seq=seq,
                     reason=f"handling failed, redelivering: {type(err).__name__}: {err}",
                 )
+                hold.fail(seq)
                 await asyncio.sleep(0.5)
                 if recover is not None:
                     try:
                         await recover()
                     except Exception as again:
                         log.warning("recover_failed", job=job, consumer=consumer, error=str(again))
-                for unhandled in msgs[i:]:
-                    with contextlib.suppress(Exception):
-                        await unhandled.nak(delay=1)
-                break
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=REDELIVERY_DELAY_S)
+                continue
+            hold.handled(seq)
 
 
 async def publish_durable(

@@ -152,7 +152,10 @@ async def test_malformed_command_is_answered_and_dead_lettered(nc, job):
     assert letter.payload == '{"op": "commit"' and "malformed JSON" in letter.reason
 
 
-async def test_pump_redelivers_what_a_handler_failed_on_in_order(nc, job):
+@pytest.mark.parametrize("batch", [1, 16])
+async def test_pump_redelivers_what_a_handler_failed_on_in_order(nc, job, batch):
+    # batch=1 is a batch split in pieces: the message after the failed one is fetched
+    # on its own, before the failed one is redelivered, and must wait for it.
     js = nc.jetstream()
     await bus.ensure_job(js, job)
     subjects = JobSubjects(job)
@@ -178,7 +181,9 @@ async def test_pump_redelivers_what_a_handler_failed_on_in_order(nc, job):
     async def recover() -> None:
         recovered.set()
 
-    task = asyncio.create_task(bus.pump(sub, handle, job=job, consumer="test", recover=recover))
+    task = asyncio.create_task(
+        bus.pump(sub, handle, job=job, consumer="test", batch=batch, recover=recover)
+    )
     try:
         # Redelivered after 1 s (nak), far sooner than the consumer's 30 s ack wait.
         await asyncio.wait_for(done.wait(), 15)

@@ -18,7 +18,6 @@ record whose plan is not in flight any more was withdrawn too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 
 from nats.aio.client import Client as NatsClient
@@ -41,6 +40,7 @@ from trainmover.messages import (
 from trainmover.metrics import Registry
 from trainmover.services.executor.migration import Migration, MigrationRecord
 from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.tasks import cancel_and_wait
 
 log = get_logger("executor")
 
@@ -118,11 +118,7 @@ class ExecutorService:
         log.info("executor_started", job=self.job, resumed=sorted(self._running))
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._running.values()]:
-            task.cancel()
-        for task in [*self._tasks, *self._running.values()]:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([*self._tasks, *self._running.values()], owner="executor")
 
     async def _bucket(self) -> KeyValue:
         name = self._subjects.executor_bucket
@@ -259,9 +255,7 @@ class ExecutorService:
         if task is not None:
             if record.step in ("done", "failed"):
                 return  # it ended on its own; the planner dropped it for that reason
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task], owner="executor")
         record.step = "withdrawn"
         await self._save(record)
         log.warning(

@@ -27,6 +27,7 @@ from trainmover.services.health_monitor.dedup import Incident, IncidentTable
 from trainmover.services.health_monitor.metrics import HealthMetrics
 from trainmover.services.health_monitor.store import IncidentRecord, IncidentStore
 from trainmover.subjects import JobSubjects
+from trainmover.tasks import cancel_and_wait
 
 log = get_logger("health-monitor")
 
@@ -109,9 +110,7 @@ class Emitter:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._queue.join(), timeout)
-        self._worker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._worker
+        await cancel_and_wait([self._worker], owner="health-monitor emitter")
         self._worker = None
 
     def open_incident(self, job: str, machine: str, kind: str) -> Incident | None:

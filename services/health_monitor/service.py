@@ -46,9 +46,13 @@ from trainmover.services.health_monitor.rules import load_rules
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.services.health_monitor.webhook import WebhookHandler
 from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.tasks import cancel_and_wait
 
 SERVICE = "health-monitor"
 log = get_logger(SERVICE)
+
+STOP_STEP_S = 10.0
+"""The longest each part of a stop may take: a stop must end, whatever the bus does."""
 
 
 def _write_port_file(path: Path, port: int) -> None:
@@ -166,22 +170,21 @@ class HealthMonitor:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs.clear()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks, owner="health-monitor")
         self._tasks.clear()
         for watcher in self._watchers:
             with contextlib.suppress(Exception):
-                await watcher.stop()
+                await asyncio.wait_for(watcher.stop(), STOP_STEP_S)
+        self._watchers.clear()
         if self.emitter is not None:
             await self.emitter.stop()
         if self._side_tasks:
-            await asyncio.wait(self._side_tasks, timeout=5)
+            await asyncio.wait(self._side_tasks, timeout=STOP_STEP_S)
         if self._nc is not None and self._given_nc is None:
             with contextlib.suppress(Exception):
-                await self._nc.drain()
+                await asyncio.wait_for(self._nc.drain(), STOP_STEP_S)
+            with contextlib.suppress(Exception):
+                await self._nc.close()
         log.info("health_monitor_stopped")
 
     async def __aenter__(self) -> HealthMonitor:

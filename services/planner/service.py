@@ -43,6 +43,7 @@ from trainmover.metrics import Registry
 from trainmover.runtime.config import JobConfig
 from trainmover.services.planner.decisions import Outcome, Planner
 from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.tasks import cancel_and_wait
 
 log = get_logger("planner")
 
@@ -149,11 +150,7 @@ class PlannerService:
         )
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks, owner="planner")
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()  # type: ignore[attr-defined]

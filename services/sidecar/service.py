@@ -40,6 +40,7 @@ from trainmover.service import write_port_file
 from trainmover.services.planner.decisions import role_types
 from trainmover.services.sidecar.workers import MachineWorkers
 from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.tasks import cancel_and_wait
 
 log = get_logger("sidecar")
 
@@ -132,11 +133,7 @@ class Sidecar:
     async def stop(self) -> None:
         if self._server is not None:
             await self._server.stop()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks, owner="sidecar")
         await asyncio.to_thread(self.workers.close)
         if self._http is not None:
             await self._http.stop()

@@ -4,7 +4,6 @@ collectors on the real bus, a heartbeat publisher, and a real HTTP client."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -31,6 +30,7 @@ from trainmover.metrics import parse_text
 from trainmover.services.health_monitor.config import load
 from trainmover.services.health_monitor.service import HealthMonitor
 from trainmover.subjects import JobSubjects
+from trainmover.tasks import cancel_and_wait
 
 Event = DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent
 
@@ -140,9 +140,9 @@ class Heartbeats:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Not a bare cancel(): the loop flushes every interval, and a cancel that
+            # lands as a flush completes is lost on Python 3.11 (see trainmover.tasks).
+            assert not await cancel_and_wait([self._task], owner="test heartbeats")
 
 
 @pytest.fixture

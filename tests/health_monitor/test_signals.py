@@ -18,6 +18,7 @@ from trainmover.messages import (
     WorkerStatus,
 )
 from trainmover.subjects import JobSubjects
+from trainmover.tasks import cancel_and_wait
 
 from .conftest import (
     MonitorFactory,
@@ -233,7 +234,7 @@ async def test_a_straggler_the_planner_rejected_is_proposed_again_while_still_sl
     try:
         again = await events.wait_for(lambda e: is_event("m2", "straggler")(e) and e is not first)
     finally:
-        publisher.cancel()
+        await cancel_and_wait([publisher], owner="test publisher")
     assert isinstance(again, StragglerEvent) and again.event_id != first.event_id
     assert again.evidence.machine_median_s == 0.3
     assert again.source == "straggler_detector"
