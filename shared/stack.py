@@ -297,10 +297,16 @@ class Stack:
     async def __aexit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        # Machines first (their workers must not outlive the bus), then the services;
-        # each tier at once, so a machine stopping is not seen failing by the others.
+        # The health-monitor first: machines stopped on purpose are not failures, and a
+        # monitor still watching reports them and the planner plans recoveries for a
+        # job being shut down. Then the machines (their workers must not outlive the
+        # bus), each tier at once, then the planner and the executor.
+        watcher = {n: p for n, p in self._procs.items() if n == "health-monitor"}
+        await self._stop_all(watcher, group=False)
         await self._stop_all(self.machines, group=True)
-        await self._stop_all(self._procs, group=False)
+        await self._stop_all(
+            {n: p for n, p in self._procs.items() if n not in watcher}, group=False
+        )
         self.machines.clear()
         self._procs.clear()
         if self._rendezvous is not None:
