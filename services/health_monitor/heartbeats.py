@@ -6,7 +6,11 @@ machine whose deadline passes is *lapsed* and reported once, until a heartbeat b
 back. A machine that starts being watched (at service start, or when it appears in the
 cluster state) gets `grace` seconds for its first heartbeat, so a restarted monitor
 does not declare every machine dead before it could hear from them; likewise, after the
-monitor itself was cut off from the bus, `rebase` restarts every deadline.
+monitor itself was cut off from the bus, `rebase` restarts every deadline. Heartbeats of
+machines not watched (yet) are remembered: one heard within the timeout before its watch
+began is judged by the timeout from that heartbeat, not given the grace (a standby
+admitted to the pool and picked as a joiner at once, then killed, is found dead in one
+timeout, not one grace period).
 
 Time is an argument (monotonic seconds), so this is tested without clocks or processes.
 """
@@ -14,12 +18,17 @@ Time is an argument (monotonic seconds), so this is tested without clocks or pro
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from trainmover.messages import Heartbeat, WorkerStatus
 
 MachineKey = tuple[str, str]
 """(job, machine)."""
+
+HEARD_MAX = 4096
+"""How many machines not watched the tracker remembers the last heartbeat of (bounded:
+a machine unknown to the cluster state is remembered too, and names are the sender's)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,13 @@ class Lapse:
     """The sender's timestamp of its last heartbeat (names the incident)."""
     silent_s: float
     """Seconds since its last heartbeat (or since watching began)."""
+
+
+@dataclass(frozen=True)
+class _Heard:
+    at: float
+    seq: int
+    sent_ts: float | None
 
 
 @dataclass
@@ -57,6 +73,7 @@ class HeartbeatTracker:
         self.timeout_s = timeout_s
         self.grace_s = grace_s
         self._watches: dict[MachineKey, _Watch] = {}
+        self._heard: OrderedDict[MachineKey, _Heard] = OrderedDict()
         # (deadline, version, key): a heap with lazy deletion, so a heartbeat is O(log n)
         # and a check is O(lapsed); stale entries are skipped by their version.
         self._heap: list[tuple[float, int, MachineKey]] = []
@@ -77,10 +94,25 @@ class HeartbeatTracker:
         key = (job, machine)
         if key in self._watches:
             return False
-        watch = _Watch(since=now, deadline=now + self.grace_s)
+        heard = self._heard.pop(key, None)
+        if heard is not None and now - heard.at < self.timeout_s:
+            watch = _Watch(
+                since=now,
+                deadline=heard.at + self.timeout_s,
+                last_seen=heard.at,
+                last_seq=heard.seq,
+                last_sent_ts=heard.sent_ts,
+            )
+        else:
+            watch = _Watch(since=now, deadline=now + self.grace_s)
         self._watches[key] = watch
         self._schedule(key, watch)
         return True
+
+    def due_in(self, job: str, machine: str, now: float) -> float | None:
+        """Seconds until a watched machine's deadline (None when not watched)."""
+        watch = self._watches.get((job, machine))
+        return None if watch is None else watch.deadline - now
 
     def unwatch(self, job: str, machine: str) -> None:
         self._watches.pop((job, machine), None)
@@ -100,9 +132,15 @@ class HeartbeatTracker:
     def beat(
         self, job: str, machine: str, seq: int, now: float, sent_ts: float | None = None
     ) -> bool:
-        """Records a heartbeat of a watched machine; True when it was down and is back."""
-        watch = self._watches.get((job, machine))
+        """Records a heartbeat; True when its machine was down and is back. A machine
+        not watched is only remembered, should its watch begin soon."""
+        key = (job, machine)
+        watch = self._watches.get(key)
         if watch is None:
+            self._heard[key] = _Heard(now, seq, sent_ts)
+            self._heard.move_to_end(key)
+            while len(self._heard) > HEARD_MAX:
+                self._heard.popitem(last=False)
             return False
         recovered = watch.down
         watch.down = False

@@ -242,7 +242,9 @@ class HealthMonitor:
                 job=job,
                 machine=machine,
                 status=self.roster.status(job, machine),
-                reason=f"status is watched; first heartbeat due within {self.tracker.grace_s:g}s",
+                reason=f"status is watched; next heartbeat due within {due:.3g}s"
+                if (due := self.tracker.due_in(job, machine, now)) is not None
+                else "status is watched",
             )
         for machine in change.stopped:
             log.info(
@@ -313,12 +315,15 @@ class HealthMonitor:
     def _on_heartbeat(self, job: str, msg: Msg) -> None:
         hb = decode(Heartbeat, msg.data)
         self._check_sender(job, msg, hb)
+        # Heard before the checks: a machine not watched yet (not in the cluster state
+        # yet, or back from maintenance) that is watched soon is judged from this beat.
+        recovered = self.tracker.beat(job, hb.machine, hb.seq, time.monotonic(), hb.ts)
         if not self._known(job, hb.machine, msg.subject, msg.data, "heartbeat"):
             return
         self.metrics.heartbeats.inc(job=job)
         if not self.tracker.is_watched(job, hb.machine):
             return  # failed / maintenance: already settled, its heartbeats mean nothing
-        if self.tracker.beat(job, hb.machine, hb.seq, time.monotonic(), hb.ts):
+        if recovered:
             log.info(
                 "machine_recovered",
                 job=job,

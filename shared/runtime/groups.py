@@ -414,11 +414,6 @@ class GroupBuilder:
         behind in this process."""
         return self._discarded or self.error is not None or not self.done
 
-    def settle(self, timeout_s: float) -> bool:
-        """Waits until the build thread ended (a discarded build ends at the latest when
-        its rendezvous times out); False if it did not within `timeout_s`."""
-        return self._done.wait(timeout_s)
-
     def _shutdown_built(self) -> None:
         built, self.built = self.built, []
         for group in built:

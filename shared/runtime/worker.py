@@ -448,11 +448,13 @@ class Runtime:
         if self._agreement is not None:
             self._agreement.close()
         self.groups.shutdown()
-        # A thread still blocked in an abandoned rendezvous (a member that died) would
-        # abort the process when it returns during interpreter teardown: let it end first.
-        for builder in self._builders:
-            if builder.discarded and not builder.settle(self._timeout_s):
-                self.log.warning("abandoned_build_still_running", groups=len(builder.specs))
+        # Not waited for: a build abandoned in a rendezvous with a dead member ends only
+        # at its timeout (a leaver whose first joiner died would hold its release, and
+        # its machine's return to the pool, that long). The process ends without
+        # interpreter teardown instead (below), where its return could not abort it.
+        running = sum(1 for b in self._builders if b.discarded and not b.done)
+        if running:
+            self.log.info("abandoned_build_still_running", builds=running)
         troubled = sum(1 for b in self._builders if b.troubled)
         if troubled or self._recoveries:
             # Even once it ended, an abandoned or failed gloo rendezvous, or a group whose

@@ -53,6 +53,40 @@ def test_grace_for_a_newly_watched_machine() -> None:
     assert lapse.last_seen is None and lapse.silent_s == pytest.approx(5.0)
 
 
+def test_a_machine_heard_before_its_watch_is_judged_by_the_timeout() -> None:
+    # A standby heartbeats before it is in the cluster state; it is admitted, picked as
+    # a joiner and killed at once: its silence counts from its last heartbeat.
+    t = HeartbeatTracker(timeout_s=1.0, grace_s=60.0)
+    assert t.beat("j", "s0", seq=7, now=10.0, sent_ts=1234.5) is False  # not watched
+    t.watch("j", "s0", now=10.5)
+    assert t.due_in("j", "s0", 10.5) == pytest.approx(0.5)
+    (lapse,) = t.lapsed(11.0)
+    assert (lapse.last_seen, lapse.last_seq, lapse.last_sent_ts) == (10.0, 7, 1234.5)
+    assert lapse.silent_s == pytest.approx(1.0)
+
+
+def test_a_heartbeat_older_than_the_timeout_leaves_the_grace() -> None:
+    t = HeartbeatTracker(timeout_s=1.0, grace_s=5.0)
+    t.beat("j", "m0", seq=1, now=0.0)
+    t.watch("j", "m0", now=2.0)  # heard too long ago to say anything about it now
+    assert t.lapsed(6.9) == []
+    (lapse,) = t.lapsed(7.0)
+    assert lapse.last_seen is None
+
+
+def test_heartbeats_of_unwatched_machines_are_remembered_within_a_bound() -> None:
+    from trainmover.services.health_monitor.heartbeats import HEARD_MAX
+
+    t = HeartbeatTracker(timeout_s=1.0, grace_s=5.0)
+    for i in range(HEARD_MAX + 10):
+        t.beat("j", f"x{i}", seq=1, now=0.0)
+    assert len(t._heard) == HEARD_MAX
+    t.watch("j", "x0", now=0.5)  # the oldest was forgotten: the grace applies
+    assert t.due_in("j", "x0", 0.5) == pytest.approx(5.0)
+    t.watch("j", f"x{HEARD_MAX + 9}", now=0.5)
+    assert t.due_in("j", f"x{HEARD_MAX + 9}", 0.5) == pytest.approx(0.5)
+
+
 def test_rebase_forgives_the_silence_the_monitor_could_not_hear() -> None:
     t = HeartbeatTracker(timeout_s=1.0, grace_s=5.0)
     for machine in ("m0", "m1", "m2"):
