@@ -349,32 +349,32 @@ the consumers' 30 s ack wait: the failed one is back long before, unless it was 
 
 
 class _Hold:
-    """The stream sequence of the oldest message whose handling failed, while it is out.
+    """Stream sequences of the messages whose handling failed, while they are out.
 
     Later messages may already be buffered in the client (a fetch can return a batch in
     pieces), so putting back the rest of the failed batch is not enough to keep order:
-    every later message is put back too until the failed one has been handled again."""
+    every later message is put back too until each failed one has been handled."""
 
-    def __init__(self) -> None:
-        self.seq: int | None = None
-        self._since = 0.0
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._out: dict[int, float] = {}  # stream sequence -> when its handling failed
 
     def fail(self, seq: int | None) -> None:
-        if seq is not None and (self.seq is None or seq < self.seq):
-            self.seq, self._since = seq, time.monotonic()
+        if seq is not None:
+            self._out.setdefault(seq, self._clock())
 
     def holds_back(self, seq: int | None) -> bool:
-        if self.seq is None or seq is None or seq <= self.seq:
+        if seq is None or not self._out:
             return False
-        if time.monotonic() - self._since > HOLD_MAX_S:
-            log.warning("hold_released", held_seq=self.seq, reason="never redelivered")
-            self.seq = None
-            return False
-        return True
+        now = self._clock()
+        for lost in [s for s, since in self._out.items() if now - since > HOLD_MAX_S]:
+            log.warning("hold_released", held_seq=lost, reason="never redelivered")
+            del self._out[lost]
+        return any(out < seq for out in self._out)
 
     def handled(self, seq: int | None) -> None:
-        if self.seq is not None and seq is not None and seq <= self.seq:
-            self.seq = None
+        if seq is not None:
+            self._out.pop(seq, None)
 
 
 def _stream_seq(msg: Msg) -> int | None:

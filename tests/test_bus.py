@@ -191,3 +191,26 @@ async def test_pump_redelivers_what_a_handler_failed_on_in_order(nc, job, batch)
         task.cancel()
     assert recovered.is_set()
     assert handled == ["m0", "m1", "m2"]
+
+
+def test_hold_keeps_later_messages_back_until_every_failed_one_is_handled():
+    hold = bus._Hold()
+    hold.fail(5)
+    hold.fail(3)
+    assert not hold.holds_back(2) and not hold.holds_back(3)  # earlier ones go ahead
+    assert hold.holds_back(4) and hold.holds_back(6)
+    hold.handled(3)
+    assert not hold.holds_back(4) and hold.holds_back(6)  # 5 is still out
+    hold.handled(1)  # an unrelated older message changes nothing
+    assert hold.holds_back(6)
+    hold.handled(5)
+    assert not hold.holds_back(6)
+
+
+def test_hold_lets_go_of_a_message_that_never_comes_back():
+    clock = [100.0]
+    hold = bus._Hold(clock=lambda: clock[0])
+    hold.fail(5)
+    assert hold.holds_back(6)
+    clock[0] += bus.HOLD_MAX_S + 1
+    assert not hold.holds_back(6)
