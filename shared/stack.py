@@ -301,11 +301,11 @@ class Stack:
         # monitor still watching reports them and the planner plans recoveries for a
         # job being shut down. Then the machines (their workers must not outlive the
         # bus), each tier at once, then the planner and the executor.
-        watcher = {n: p for n, p in self._procs.items() if n == "health-monitor"}
-        await self._stop_all(watcher, group=False)
+        monitor = {n: p for n, p in self._procs.items() if n == "health-monitor"}
+        await self._stop_all(monitor, group=False)
         await self._stop_all(self.machines, group=True)
         await self._stop_all(
-            {n: p for n, p in self._procs.items() if n not in watcher}, group=False
+            {n: p for n, p in self._procs.items() if n not in monitor}, group=False
         )
         self.machines.clear()
         self._procs.clear()

@@ -109,10 +109,9 @@ class HeartbeatTracker:
         self._schedule(key, watch)
         return True
 
-    def due_in(self, job: str, machine: str, now: float) -> float | None:
-        """Seconds until a watched machine's deadline (None when not watched)."""
-        watch = self._watches.get((job, machine))
-        return None if watch is None else watch.deadline - now
+    def due_in(self, job: str, machine: str, now: float) -> float:
+        """Seconds until a watched machine's deadline (KeyError when not watched)."""
+        return self._watches[(job, machine)].deadline - now
 
     def unwatch(self, job: str, machine: str) -> None:
         self._watches.pop((job, machine), None)

@@ -242,9 +242,8 @@ class HealthMonitor:
                 job=job,
                 machine=machine,
                 status=self.roster.status(job, machine),
-                reason=f"status is watched; next heartbeat due within {due:.3g}s"
-                if (due := self.tracker.due_in(job, machine, now)) is not None
-                else "status is watched",
+                reason="status is watched; next heartbeat due within "
+                f"{self.tracker.due_in(job, machine, now):.3g}s",
             )
         for machine in change.stopped:
             log.info(
