@@ -3,7 +3,8 @@
 - `connect` probes the server first, so an unreachable URL is one clear error instead of
   nats-py's long silent retry loop, then keeps reconnecting once connected.
 - `ensure_job` creates the job's streams and key-value bucket idempotently (file
-  storage, so they survive a server restart).
+  storage, so they survive a server restart; replicated across a cluster, see
+  trainmover.replication, which also creates a service's own buckets).
 - `publish_durable` publishes to JetStream and waits for the ack; the message id becomes
   `Nats-Msg-Id`, so a retried publish is stored once.
 - `request` sends a Command and retries on timeout with the same `command_id`;
@@ -36,9 +37,10 @@ from nats.errors import AuthorizationError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, StorageType
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import NoStreamResponseError, NotFoundError
 from nats.js.kv import KeyValue
 
+from trainmover import replication
 from trainmover.logs import get_logger
 from trainmover.messages import (
     MAX_MESSAGE_BYTES,
@@ -309,6 +311,7 @@ async def ensure_job(js: JetStreamContext, job: str) -> KeyValue:
 
 async def _ensure_job(js: JetStreamContext, job: str) -> KeyValue:
     subjects = JobSubjects(job)
+    want = replication.replicas(js._nc)
     for stream, subs in subjects.streams.items():
         config: dict[str, Any] = dict(
             name=stream,
@@ -318,10 +321,13 @@ async def _ensure_job(js: JetStreamContext, job: str) -> KeyValue:
             max_msg_size=MAX_PAYLOAD,
         )
         try:
-            await js.stream_info(stream)
-            await js.update_stream(**config)
+            info = await js.stream_info(stream)
         except NotFoundError:
-            await js.add_stream(**config)
+            await replication.create(stream, want, js.add_stream(num_replicas=want, **config))
+            continue
+        # Keep its replicas here (a config without them would mean 1); raise them below.
+        await js.update_stream(num_replicas=info.config.num_replicas or 1, **config)
+        await replication.ensure(js, stream, want)
     return await _job_bucket(js, job, create=True)
 
 
@@ -332,12 +338,9 @@ async def job_bucket(js: JetStreamContext, job: str, create: bool = False) -> Ke
 
 async def _job_bucket(js: JetStreamContext, job: str, create: bool = False) -> KeyValue:
     bucket = JobSubjects(job).bucket
-    try:
+    if not create:
         return await js.key_value(bucket)
-    except BucketNotFoundError:
-        if not create:
-            raise
-        return await js.create_key_value(bucket=bucket, history=16, storage=StorageType.FILE)
+    return await replication.key_value(js, bucket, history=16)
 
 
 REDELIVERY_DELAY_S = 1.0
@@ -437,6 +440,12 @@ async def pump(
             hold.handled(seq)
 
 
+PUBLISH_ATTEMPT_S = 1.0
+"""How long one attempt of a deduplicated `publish_durable` waits for its ack. When the
+client fails over to another server of a cluster, the ack of a publish sent across the
+switch can be lost; a new attempt with the same message id gets it (or its duplicate ack)."""
+
+
 async def publish_durable(
     js: JetStreamContext,
     subject: str,
@@ -446,12 +455,28 @@ async def publish_durable(
 ) -> PubAck:
     """Publishes `message` to JetStream and waits for the ack.
 
-    `msg_id` (e.g. the event id) deduplicates retries within the stream's window.
+    `msg_id` (e.g. the event id) deduplicates retries within the stream's window; with
+    one, an attempt that gets no ack is retried until `timeout` has passed.
     """
     headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-    return await denials.of(js._nc).guard(
-        js.publish(subject, message.to_json(), timeout=timeout, headers=headers), [subject]
-    )
+    deadline = time.monotonic() + timeout
+    attempt = 0
+    while True:
+        attempt += 1
+        left = deadline - time.monotonic()
+        wait = min(PUBLISH_ATTEMPT_S, left) if msg_id else timeout
+        try:
+            return await denials.of(js._nc).guard(
+                js.publish(subject, message.to_json(), timeout=wait, headers=headers), [subject]
+            )
+        except (NatsTimeout, NoStreamResponseError) as err:
+            if msg_id is None or time.monotonic() + 0.01 >= deadline:
+                raise
+            log.info(
+                "publish_retry", subject=subject, msg_id=msg_id, attempt=attempt, error=repr(err)
+            )
+            if isinstance(err, NoStreamResponseError):  # no stream leader yet: let it elect
+                await asyncio.sleep(min(0.1 * attempt, 0.5))
 
 
 async def dead_letter(

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from trainmover import __version__, logs
+from trainmover import __version__, logs, replication
 from trainmover.bus import BusUnreachable
 from trainmover.client import TrainMoverClient, TrainMoverError
 from trainmover.messages import TERMINAL_STATES, MessageError, MigrationProgress
@@ -142,6 +142,7 @@ async def _up(args: argparse.Namespace) -> int:
         fixed_ports=True,
         auth=args.auth,
         auth_machines=machines,
+        nats_cluster=args.nats_cluster,
     ) as stack:
         print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
         if stack.operator_creds is not None:
@@ -174,6 +175,7 @@ def _chaos(args: argparse.Namespace) -> int:
             standbys=args.standbys,
             reference=not args.no_reference,
             in_order=args.in_order,
+            nats_cluster=args.nats_cluster,
         )
     except ValueError as err:
         raise CliError(str(err)) from None
@@ -194,6 +196,12 @@ def _name(what: str) -> Callable[[str], str]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainmover", description=__doc__.splitlines()[0])
     p.add_argument("--nats-url", help="NATS server(s); default $TRAINMOVER_NATS_URL")
+    p.add_argument(
+        "--nats-replicas",
+        type=int,
+        metavar="N",
+        help="copies of each stream and bucket (default: 3 on a NATS cluster, 1 on one server)",
+    )
     p.add_argument("--log-format", choices=["json", "console"], help="log line format")
     p.add_argument("--log-level", default=None, help="debug, info, warning, error")
     credentials.add_arguments(p)
@@ -245,6 +253,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="M1,M2",
         help="machines that get sidecar credentials (default: the job config's machines and standbys)",
     )
+    u.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the bus as a JetStream cluster of N embedded servers on loopback",
+    )
 
     a = sub.add_parser("auth", help="generate credentials and nats-server configs")
     a.add_argument("args", nargs=argparse.REMAINDER, help="see `trainmover auth --help`")
@@ -280,6 +295,9 @@ def _parser() -> argparse.ArgumentParser:
         "--in-order", action="store_true", help="take --kinds in order instead of at random"
     )
     ch.add_argument("--no-reference", action="store_true", help="skip the reference run")
+    ch.add_argument(
+        "--nats-cluster", type=int, default=1, metavar="N", help="the bus as N embedded servers"
+    )
     ch.add_argument("--json", metavar="FILE", help="write the report as JSON")
 
     sub.add_parser("version", help="print the version")
@@ -312,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return authcli.main(args.args)
         credentials.set_default(credentials.from_args(args))
+        if args.nats_replicas is not None:
+            # The environment carries it to every process this one starts.
+            os.environ[replication.REPLICAS_ENV] = str(args.nats_replicas)
+            replication.configured()
         if args.command in ("demo", "chaos"):
             _terminate_as_interrupt()
         if args.command == "demo":
@@ -324,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             extra = (["--nats-url", args.nats_url] if args.nats_url else []) + args.args
             return service_main(args.name)(extra)
         return asyncio.run(COMMANDS[args.command](args))
-    except (CliError, InvalidName, MessageError) as err:
+    except (CliError, InvalidName, MessageError, replication.ReplicationError) as err:
         print(f"trainmover: error: {err}", file=sys.stderr)
         return 2
     except CredentialsError as err:

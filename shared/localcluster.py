@@ -37,10 +37,15 @@ FAST_SIGNALS: dict[str, list[str]] = {
 
 
 class LocalCluster:
-    """The stack for `config`, started in `workdir`; an async context manager."""
+    """The stack for `config`, started in `workdir` (its bus a JetStream cluster of
+    `nats_cluster` servers when above 1); an async context manager."""
 
     def __init__(
-        self, config: JobConfig, workdir: Path, service_args: dict[str, list[str]] | None = None
+        self,
+        config: JobConfig,
+        workdir: Path,
+        service_args: dict[str, list[str]] | None = None,
+        nats_cluster: int = 1,
     ) -> None:
         self.config = config
         self.job = config.job
@@ -51,6 +56,7 @@ class LocalCluster:
             job_config=str(config_path),
             run_dir=workdir / "run",
             service_args=service_args or FAST_SIGNALS,
+            nats_cluster=nats_cluster,
         )
         self.steps: dict[str, int] = {}
         self._stepped = asyncio.Condition()

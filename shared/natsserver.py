@@ -70,6 +70,8 @@ class EmbeddedNats:
         self.config_file = Path(config_file) if config_file else None
         self.ready_timeout = ready_timeout
         self._proc: subprocess.Popen[bytes] | None = None
+        #: What the server wrote to its ports file ("nats", "cluster", "monitoring" URLs).
+        self.ports: dict[str, list[str]] = {}
 
     @property
     def url(self) -> str:
@@ -122,12 +124,14 @@ class EmbeddedNats:
                 raise NatsServerError(f"nats-server exited with {self._proc.returncode}: {tail}")
             if ports_file.exists():
                 try:
-                    nats_urls = json.loads(ports_file.read_text())["nats"]
+                    ports = json.loads(ports_file.read_text())
+                    nats_urls = ports["nats"]
                 except (ValueError, KeyError):
                     nats_urls = []  # written but not complete yet
                 if nats_urls:
                     port = int(nats_urls[0].rsplit(":", 1)[1])
                     if port_open("127.0.0.1", port):
+                        self.ports = ports
                         return port
             time.sleep(0.005)
         raise NatsServerError(f"nats-server not ready after {self.ready_timeout}s")

@@ -1,6 +1,8 @@
 """The embedded stack behind `trainmover up`: bus, services and a local cluster, supervised.
 
-- the bus: an existing NATS when given a URL, else the embedded nats-server;
+- the bus: an existing NATS when given a URL, else the embedded nats-server, or with
+  `nats_cluster` N > 1 a JetStream cluster of N embedded servers
+  (trainmover.natscluster) whose streams and buckets are replicated;
 - the services (planner, executor, health-monitor), each its own process, so they only
   ever talk over the bus; one that dies is restarted (each resumes from durable state);
 - with a job config, the local cluster: the rendezvous store (hosted here, never on a
@@ -28,8 +30,10 @@ from types import TracebackType
 from typing import cast
 
 from trainmover.logs import get_logger
+from trainmover.natscluster import EmbeddedNatsCluster
 from trainmover.natsserver import EmbeddedNats, resolve_url
 from trainmover.ports import DEFAULT_HTTP_PORTS
+from trainmover.replication import REPLICAS_ENV
 from trainmover.runtime.config import JobConfig, load_config
 from trainmover.security.credentials import CREDS_ENV, ENV
 from trainmover.security.policy import Component, Role
@@ -70,6 +74,7 @@ class Stack:
         auth: bool = False,
         auth_machines: list[str] | None = None,
         bcrypt_cost: int | None = None,
+        nats_cluster: int = 1,
     ) -> None:
         self._given_url = resolve_url(nats_url)
         self._store_dir = store_dir
@@ -81,6 +86,9 @@ class Stack:
         self._fixed_ports = fixed_ports
         self._cluster = cluster
         self._nats: EmbeddedNats | None = None
+        self._nats_cluster_size = nats_cluster
+        #: The embedded JetStream cluster (with `nats_cluster` > 1).
+        self.nats_cluster: EmbeddedNatsCluster | None = None
         self._rendezvous: object | None = None
         self.rendezvous_address = ""
         self._procs: dict[str, asyncio.subprocess.Process] = {}
@@ -97,6 +105,8 @@ class Stack:
                 "--auth generates credentials for the embedded server; against an existing "
                 "server give each service its own credentials (TRAINMOVER_NATS_CREDS)"
             )
+        if nats_cluster > 1 and self._given_url:
+            raise ValueError("--nats-cluster starts its own servers: it takes no --nats-url")
 
     def creds_file(self, component: Component) -> Path:
         """The credentials file of `component` (with `auth`)."""
@@ -155,10 +165,16 @@ class Stack:
             self.url = self._given_url
         else:
             config = await asyncio.to_thread(self._setup_auth) if self.auth else None
-            server = EmbeddedNats(self._store_dir, config_file=config)
-            self._nats = await asyncio.to_thread(server.start)
-            self.url = self._nats.url
-        log.info("bus_ready", url=self.url, embedded=self._nats is not None, auth=self.auth)
+            if self._nats_cluster_size > 1:
+                cluster = EmbeddedNatsCluster(self._nats_cluster_size, self._store_dir, config)
+                self.nats_cluster = await asyncio.to_thread(cluster.start)
+                self.url = cluster.url
+            else:
+                server = EmbeddedNats(self._store_dir, config_file=config)
+                self._nats = await asyncio.to_thread(server.start)
+                self.url = self._nats.url
+        embedded = self._nats is not None or self.nats_cluster is not None
+        log.info("bus_ready", url=self.url, embedded=embedded, auth=self.auth)
         try:
             for name in self._services:
                 await self._spawn(name)
@@ -189,7 +205,8 @@ class Stack:
         env = {**os.environ, "TRAINMOVER_NATS_URL": self.url}
         if self.auth:
             # Each process gets its own identity, never the operator's credentials.
-            env = {k: v for k, v in env.items() if not k.startswith(ENV) or k == ENV + "URL"}
+            keep = (ENV + "URL", REPLICAS_ENV)
+            env = {k: v for k, v in env.items() if not k.startswith(ENV) or k in keep}
             role = cast(Role, name)  # STACK_SERVICES and "sidecar" are roles of the policy
             env.update(self.creds_env(Component(role, tuple(sorted(self.jobs)), machine)))
         return env
@@ -217,12 +234,22 @@ class Stack:
         await self._spawn(name)
 
     async def restart_bus(self, kill: bool = True) -> None:
-        """Crashes (or stops) the embedded nats-server and starts it again on its port with
-        its JetStream state; every process reconnects on its own."""
-        if self._nats is None:
+        """Crashes (or stops) the embedded nats-server (every server of the embedded
+        cluster at once) and starts it again on its port with its JetStream state; every
+        process reconnects on its own."""
+        if self.nats_cluster is not None:
+            await asyncio.to_thread(self.nats_cluster.restart_all, kill)
+        elif self._nats is not None:
+            await asyncio.to_thread(self._nats.restart, kill)
+        else:
             raise RuntimeError("the stack runs against an external server; restart it there")
-        await asyncio.to_thread(self._nats.restart, kill)
         log.info("bus_restarted", url=self.url, kill=kill)
+
+    def bus_cluster(self) -> EmbeddedNatsCluster:
+        """The embedded JetStream cluster, or RuntimeError without `nats_cluster`."""
+        if self.nats_cluster is None:
+            raise RuntimeError("the stack runs no embedded nats cluster (--nats-cluster N)")
+        return self.nats_cluster
 
     # --- local cluster ---------------------------------------------------------------------
 
@@ -313,5 +340,7 @@ class Stack:
             self._rendezvous.close()  # type: ignore[attr-defined]
         if self._nats is not None:
             await asyncio.to_thread(self._nats.cleanup)
+        if self.nats_cluster is not None:
+            await asyncio.to_thread(self.nats_cluster.cleanup)
         if self._auth_tmp is not None:
             shutil.rmtree(self._auth_tmp, ignore_errors=True)

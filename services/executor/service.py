@@ -22,11 +22,11 @@ import hashlib
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from trainmover import bus
+from trainmover import bus, replication
 from trainmover import metric_names as names
 from trainmover.logs import get_logger
 from trainmover.messages import (
@@ -121,11 +121,7 @@ class ExecutorService:
         await cancel_and_wait([*self._tasks, *self._running.values()], owner="executor")
 
     async def _bucket(self) -> KeyValue:
-        name = self._subjects.executor_bucket
-        try:
-            return await self._js.key_value(name)
-        except BucketNotFoundError:
-            return await self._js.create_key_value(bucket=name, history=4, storage=StorageType.FILE)
+        return await replication.key_value(self._js, self._subjects.executor_bucket, history=4)
 
     async def _resume(self) -> None:
         assert self._kv is not None

@@ -11,11 +11,11 @@ stays in TM_<job>.
 from __future__ import annotations
 
 from nats.js import JetStreamContext
-from nats.js.api import StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from trainmover import replication
 from trainmover.logs import get_logger
 from trainmover.services.health_monitor.dedup import Incident
 from trainmover.subjects import JobSubjects
@@ -57,12 +57,7 @@ class IncidentStore:
 
     @classmethod
     async def open(cls, js: JetStreamContext, job: str) -> IncidentStore:
-        name = JobSubjects(job).health_bucket
-        try:
-            kv = await js.key_value(name)
-        except BucketNotFoundError:
-            kv = await js.create_key_value(bucket=name, history=1, storage=StorageType.FILE)
-        return cls(kv)
+        return cls(await replication.key_value(js, JobSubjects(job).health_bucket, history=1))
 
     async def load(self) -> list[IncidentRecord]:
         """Every stored record; an unreadable one is logged and dropped."""

@@ -60,6 +60,8 @@ class SoakSettings:
     reference: bool = True
     #: Take `kinds` in their order, round and round, instead of at random.
     in_order: bool = False
+    #: The bus as a JetStream cluster of this many embedded servers (1: one server).
+    nats_cluster: int = 1
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - set(FAULT_KINDS)
@@ -212,7 +214,12 @@ class Soak:
         return self.report
 
     async def _soak_cluster(self, t0: float) -> None:
-        cluster = LocalCluster(self.config, self.workdir / "soak", service_args=SOAK_SIGNALS)
+        cluster = LocalCluster(
+            self.config,
+            self.workdir / "soak",
+            service_args=SOAK_SIGNALS,
+            nats_cluster=self.s.nats_cluster,
+        )
         async with cluster:
             observer = await Observer(cluster).start()
             ctx = FaultContext(cluster, observer, self.rng, self.s.recovery_timeout_s)

@@ -27,16 +27,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from nats.aio.client import Client as NatsClient
-from nats.js.api import StorageType
 from nats.js.errors import (
-    BucketNotFoundError,
     NotFoundError,
     ObjectDeletedError,
     ObjectNotFoundError,
 )
 from nats.js.object_store import ObjectStore
 
-from trainmover import bus
+from trainmover import bus, replication
 from trainmover.runtime.config import NATS_SCHEMES, JobConfig
 from trainmover.runtime.sandbox import DirectoryRecordStore, RecordStore
 from trainmover.security import denials
@@ -80,11 +78,7 @@ class NatsRecordStore:
         if self._store is None:
             assert self._nc is not None  # connected by _guarded
             js = self._nc.jetstream()
-            try:
-                self._store = await js.object_store(self.bucket)
-            except BucketNotFoundError:
-                # Concurrent creators are fine: creating an identical stream is a no-op.
-                self._store = await js.create_object_store(self.bucket, storage=StorageType.FILE)
+            self._store = await replication.object_store(js, self.bucket)
         return self._store
 
     async def _put(self, key: str, data: bytes) -> None:
