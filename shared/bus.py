@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 from nats.aio.client import Client as NatsClient
@@ -37,7 +37,7 @@ from nats.errors import AuthorizationError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, StorageType
-from nats.js.errors import NoStreamResponseError, NotFoundError
+from nats.js.errors import NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from trainmover import replication
@@ -60,6 +60,7 @@ from trainmover.subjects import JobSubjects
 __all__ = ["PermissionDenied"]
 
 log = get_logger("bus")
+T = TypeVar("T")
 
 MAX_PAYLOAD = MAX_MESSAGE_BYTES
 """Largest message any service accepts (bytes); larger input is dead-lettered."""
@@ -320,13 +321,25 @@ async def _ensure_job(js: JetStreamContext, job: str) -> KeyValue:
             duplicate_window=DUPLICATE_WINDOW_S,
             max_msg_size=MAX_PAYLOAD,
         )
-        try:
-            info = await js.stream_info(stream)
-        except NotFoundError:
-            await replication.create(stream, want, js.add_stream(num_replicas=want, **config))
+        info = await replication.found_or_created(
+            stream,
+            want,
+            lambda name=stream: js.stream_info(name),  # type: ignore[misc]
+            lambda c=config: js.add_stream(num_replicas=want, **c),  # type: ignore[misc]
+            NotFoundError,
+        )
+        if info is None:
             continue
-        # Keep its replicas here (a config without them would mean 1); raise them below.
-        await js.update_stream(num_replicas=info.config.num_replicas or 1, **config)
+        have = info.config
+        if (sorted(have.subjects or []), have.duplicate_window, have.max_msg_size) != (
+            sorted(subs),
+            DUPLICATE_WINDOW_S,
+            MAX_PAYLOAD,
+        ):
+            # Only when it differs: an update of a stream another service is creating
+            # right now waits until that is done. Its replicas are kept here (a config
+            # without them would mean 1) and raised below.
+            await js.update_stream(num_replicas=have.num_replicas or 1, **config)
         await replication.ensure(js, stream, want)
     return await _job_bucket(js, job, create=True)
 
@@ -438,6 +451,29 @@ async def pump(
                     await msg.nak(delay=REDELIVERY_DELAY_S)
                 continue
             hold.handled(seq)
+
+
+FAILOVER_S = 30.0
+"""How long `through_failover` keeps retrying: a stream's leader election takes seconds."""
+
+
+async def through_failover(
+    write: Callable[[], Awaitable[T]], what: str, deadline_s: float = FAILOVER_S
+) -> T:
+    """Runs the idempotent `write` (a key-value put, a deduplicated publish), again while
+    the stream has no leader or its answer was lost (a server of the cluster died), for
+    up to `deadline_s`; then raises the last error."""
+    give_up = time.monotonic() + deadline_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await write()
+        except (NatsTimeout, NoStreamResponseError, ServiceUnavailableError) as err:
+            if time.monotonic() >= give_up:
+                raise
+            log.info("write_retry", what=what, attempt=attempt, error=repr(err))
+            await asyncio.sleep(min(0.1 * attempt, 1.0))
 
 
 PUBLISH_ATTEMPT_S = 1.0

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from nats.aio.client import Client as NatsClient
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import StorageType
 from nats.js.errors import BucketNotFoundError
@@ -112,6 +113,34 @@ async def create(stream: str, want: int, creating: Awaitable[Any]) -> Any:
         raise
 
 
+CREATE_ATTEMPTS = 5
+
+
+async def found_or_created(
+    stream: str,
+    want: int,
+    existing: Callable[[], Awaitable[T]],
+    created: Callable[[], Awaitable[Any]],
+    missing: type[Exception],
+) -> T | None:
+    """`existing()`, or None once `created()` made it (`existing` raising `missing`).
+
+    Two processes creating the same replicated stream at once (the services of a job
+    starting together) can each see their request go unanswered while the cluster
+    agrees on one: a timed-out creation looks again instead of failing."""
+    for attempt in range(1, CREATE_ATTEMPTS + 1):
+        try:
+            try:
+                return await existing()
+            except missing:
+                pass
+            await create(stream, want, created())
+            return None
+        except (TimeoutError, NatsTimeout):
+            log.info("stream_create_retry", stream=stream, attempt=attempt)
+    raise ReplicationError(f"cannot create {stream}: {CREATE_ATTEMPTS} attempts timed out")
+
+
 async def _open(
     js: JetStreamContext,
     stream: str,
@@ -121,10 +150,11 @@ async def _open(
     """`existing()` scaled up to the configured replicas, or, when the bucket is missing,
     `created(replicas)`."""
     want = replicas(js._nc)
-    try:
-        found = await existing()
-    except BucketNotFoundError:
-        return await create(stream, want, created(want))
+    found = await found_or_created(
+        stream, want, existing, lambda: created(want), BucketNotFoundError
+    )
+    if found is None:
+        return await existing()
     await ensure(js, stream, want)
     return found
 

@@ -307,8 +307,10 @@ class ExecutorService:
         )
 
     async def _save(self, record: MigrationRecord) -> None:
-        assert self._kv is not None
-        await self._kv.put(f"migration.{record.plan.plan_id}", record.to_json())
+        kv = self._kv
+        assert kv is not None
+        key = f"migration.{record.plan.plan_id}"
+        await bus.through_failover(lambda: kv.put(key, record.to_json()), key)
 
     async def _publish(self, progress: MigrationProgress) -> None:
         payload = progress.to_json()
@@ -316,8 +318,11 @@ class ExecutorService:
         # repeat is dropped (a plan that merged events reports to each of them).
         key = f"{progress.plan_id}.{progress.state}.{progress.event_id}"
         msg_id = hashlib.sha256(key.encode()).hexdigest()[:32]
-        await self._js.publish(
-            self._subjects.progress, payload, headers={"Nats-Msg-Id": msg_id}, timeout=5
+        await bus.through_failover(
+            lambda: self._js.publish(
+                self._subjects.progress, payload, headers={"Nats-Msg-Id": msg_id}, timeout=5
+            ),
+            f"progress {key}",
         )
         log.info(
             "progress",

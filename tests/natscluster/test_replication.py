@@ -4,6 +4,8 @@ every server's URL carries on when the one it talks to crashes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from trainmover import bus, replication
@@ -113,3 +115,19 @@ async def test_client_carries_on_when_its_server_crashes(
         assert info.state.messages == 2
     finally:
         await nc.close()
+
+
+async def test_services_creating_a_job_together_all_start(
+    running_cluster: EmbeddedNatsCluster, job: str
+) -> None:
+    clients = [await bus.connect(running_cluster.url, f"service-{i}") for i in range(3)]
+    try:
+        # The planner, executor and health-monitor of a job start together.
+        await asyncio.wait_for(
+            asyncio.gather(*(bus.ensure_job(nc.jetstream(), job) for nc in clients)), 30
+        )
+        for stream in JobSubjects(job).streams:
+            assert await _replicas(clients[0].jetstream(), stream) == 3
+    finally:
+        for nc in clients:
+            await nc.close()
