@@ -457,6 +457,10 @@ FAILOVER_S = 30.0
 """How long `through_failover` keeps retrying: a stream's leader election takes seconds."""
 
 
+BUS_FAILOVER_ERRORS = (NatsTimeout, NoStreamResponseError, ServiceUnavailableError)
+"""What a JetStream request raises while a stream's leader is being elected."""
+
+
 async def through_failover(
     write: Callable[[], Awaitable[T]], what: str, deadline_s: float = FAILOVER_S
 ) -> T:
@@ -469,7 +473,7 @@ async def through_failover(
         attempt += 1
         try:
             return await write()
-        except (NatsTimeout, NoStreamResponseError, ServiceUnavailableError) as err:
+        except BUS_FAILOVER_ERRORS as err:
             if time.monotonic() >= give_up:
                 raise
             log.info("write_retry", what=what, attempt=attempt, error=repr(err))

@@ -161,14 +161,14 @@ def _chaos(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from trainmover.chaos import soak
-    from trainmover.chaos.faults import FAULT_KINDS
+    from trainmover.chaos.faults import default_kinds
 
     try:
         settings = soak.SoakSettings(
             duration_s=args.duration,
             max_faults=args.max_faults,
             seed=args.seed,
-            kinds=tuple(args.kinds.split(",")) if args.kinds else FAULT_KINDS,
+            kinds=tuple(args.kinds.split(",")) if args.kinds else default_kinds(args.nats_cluster),
             workdir=Path(args.workdir) if args.workdir else None,
             recovery_timeout_s=args.recovery_timeout,
             dump_every=args.dump_every,

@@ -224,15 +224,21 @@ class TrainMoverClient:
         """
 
         async def terminal() -> MigrationProgress:
-            async with self.watch(job, from_start=True) as items:
-                async for item in items:
-                    if (
-                        isinstance(item, MigrationProgress)
-                        and item.event_id == event_id
-                        and item.state in TERMINAL_STATES
-                    ):
-                        return item
-            raise AssertionError("unreachable: watch never ends")
+            while True:
+                try:
+                    async with self.watch(job, from_start=True) as items:
+                        async for item in items:
+                            if (
+                                isinstance(item, MigrationProgress)
+                                and item.event_id == event_id
+                                and item.state in TERMINAL_STATES
+                            ):
+                                return item
+                except bus.BUS_FAILOVER_ERRORS as err:
+                    # A server of the cluster went away while the watch was set up: the
+                    # migration is not late, the bus is electing; watch again.
+                    log.info("watch_retry", job=job, event_id=event_id, error=repr(err))
+                    await asyncio.sleep(0.2)
 
         try:
             return await asyncio.wait_for(terminal(), timeout)

@@ -13,7 +13,10 @@ Kinds (FAULT_KINDS):
 - leaver_dies: a drain, and its leaver killed during phase 1 (the planner must switch to
   the unplanned path);
 - nats_restart: the nats-server crashes (SIGKILL) and restarts on its port with its
-  JetStream state; half the time while a drain is in phase 1.
+  JetStream state; half the time while a drain is in phase 1;
+- nats_node_kill (with `--nats-cluster N`): one server of the cluster SIGKILLed and
+  restarted with its state once recovered; half the time the leader of the job's EVENTS
+  stream or the meta leader, and half the time while a drain is in phase 1.
 
 Killed machines are restarted as fresh standbys by the soak once the planner has let
 them go (they rejoin the pool after warming up), as a repaired node would.
@@ -21,6 +24,7 @@ them go (they rejoin the pool after warming up), as a repaired node would.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -31,6 +35,7 @@ from trainmover import bus
 from trainmover.chaos.observer import Observer
 from trainmover.localcluster import LocalCluster
 from trainmover.messages import Command, MigrationProgress
+from trainmover.subjects import JobSubjects
 
 FAULT_KINDS = (
     "worker_kill",
@@ -42,10 +47,20 @@ FAULT_KINDS = (
     "standby_dies",
     "leaver_dies",
     "nats_restart",
+    "nats_node_kill",
 )
 
+#: The faults a bus of one server allows (every kind but a cluster node's).
+SINGLE_SERVER_KINDS = tuple(k for k in FAULT_KINDS if k != "nats_node_kill")
+
+
+def default_kinds(nats_cluster: int) -> tuple[str, ...]:
+    """Every fault kind the bus allows: nats_node_kill only on a cluster."""
+    return FAULT_KINDS if nats_cluster >= 3 else SINGLE_SERVER_KINDS
+
+
 #: Faults whose recovery takes a warm standby from the pool.
-NEEDS_STANDBY = frozenset(FAULT_KINDS) - {"nats_restart"}
+NEEDS_STANDBY = frozenset(FAULT_KINDS) - {"nats_restart", "nats_node_kill"}
 
 TERMINAL = ("done", "failed", "aborted", "rejected")
 
@@ -63,6 +78,8 @@ class Injection:
     killed: set[str] = field(default_factory=set)
     #: Events whose migration must have ended (any terminal state).
     events: list[str] = field(default_factory=list)
+    #: Bus servers killed: restart them with their state once recovered.
+    bus_nodes: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -223,6 +240,43 @@ async def nats_restart(ctx: FaultContext) -> Injection:
     return Injection("nats_restart", None, "nats-server SIGKILLed and restarted while training")
 
 
+async def _bus_node(ctx: FaultContext) -> tuple[int, str]:
+    """A server to kill: half the time a leader (EVENTS stream or meta), else any."""
+    servers = ctx.cluster.stack.bus_cluster()
+    choice = ctx.rng.choice(["events leader", "meta leader", "any", "any"])
+    name: str | None = None
+    if choice == "events leader":
+        stream = JobSubjects(ctx.cluster.job).stream("EVENTS")
+        info = await ctx.cluster.nc.jetstream().stream_info(stream)
+        name = info.cluster.leader if info.cluster else None
+    elif choice == "meta leader":
+        name = await asyncio.to_thread(servers.meta_leader)
+    if name is None:
+        return ctx.rng.randrange(len(servers.nodes)), "a server"
+    return servers.index(name), f"the {choice}"
+
+
+async def nats_node_kill(ctx: FaultContext) -> Injection:
+    servers = ctx.cluster.stack.bus_cluster()
+    killed: set[int] = set()
+
+    async def kill(when: str) -> str:
+        index, what = await _bus_node(ctx)
+        await asyncio.to_thread(servers.stop_node, index, True)
+        killed.add(index)
+        return f"{what} ({servers.name(index)}) SIGKILLed {when}"
+
+    async def in_phase1(_: MigrationProgress) -> str:
+        return "drain, " + await kill("in phase 1")
+
+    if ctx.rng.random() < 0.5:
+        injection = await _drain_then(ctx, "nats_node_kill", ("phase1",), in_phase1)
+    else:
+        injection = Injection("nats_node_kill", None, await kill("while training"))
+    injection.bus_nodes = killed
+    return injection
+
+
 INJECTORS: dict[str, Inject] = {
     "worker_kill": worker_kill,
     "machine_kill": machine_kill,
@@ -233,4 +287,5 @@ INJECTORS: dict[str, Inject] = {
     "standby_dies": standby_dies,
     "leaver_dies": leaver_dies,
     "nats_restart": nats_restart,
+    "nats_node_kill": nats_node_kill,
 }

@@ -29,7 +29,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainmover.chaos.faults import FAULT_KINDS, INJECTORS, NEEDS_STANDBY, FaultContext, Injection
+from trainmover.chaos.faults import (
+    FAULT_KINDS,
+    INJECTORS,
+    NEEDS_STANDBY,
+    SINGLE_SERVER_KINDS,
+    FaultContext,
+    Injection,
+)
 from trainmover.chaos.invariants import check_accounting, check_replicas, dump_files
 from trainmover.chaos.observer import Observer
 from trainmover.localcluster import FAST_SIGNALS, LocalCluster
@@ -50,7 +57,7 @@ class SoakSettings:
     duration_s: float = 600.0
     max_faults: int = 40
     seed: int | None = None
-    kinds: tuple[str, ...] = FAULT_KINDS
+    kinds: tuple[str, ...] = SINGLE_SERVER_KINDS
     workdir: Path | None = None
     recovery_timeout_s: float = 300.0
     dump_every: int = 20
@@ -73,6 +80,8 @@ class SoakSettings:
             raise ValueError("duration, max faults and dump interval must be positive")
         if self.standbys < 1:
             raise ValueError("the soak needs at least one standby")
+        if "nats_node_kill" in self.kinds and self.nats_cluster < 3:
+            raise ValueError("nats_node_kill needs a bus cluster: --nats-cluster 3 (or more)")
 
 
 @dataclass
@@ -283,6 +292,7 @@ class Soak:
                 self.s.recovery_timeout_s,
                 f"recovery from {kind} on {injection.target}",
             )
+            await self._restart_bus_nodes(ctx, injection)
             settled = obs.job_step
             await obs.until(
                 self._trains_from(obs, settled + 2),
@@ -305,6 +315,15 @@ class Soak:
         return record
 
     # --- recovery ----------------------------------------------------------------------
+
+    @staticmethod
+    async def _restart_bus_nodes(ctx: FaultContext, injection: Injection) -> None:
+        """Brings the fault's killed bus servers back with their state."""
+        for index in sorted(injection.bus_nodes):
+            servers = ctx.cluster.stack.bus_cluster()
+            await asyncio.to_thread(servers.start_node, index)
+            await asyncio.to_thread(servers.wait_ready)
+            log.info("bus_node_restarted", node=servers.name(index))
 
     async def _pool_ready(self, ctx: FaultContext, n: int) -> bool:
         state = await self._settle_returning(ctx)

@@ -109,6 +109,13 @@ def test_settings_refuse_unknown_fault_kinds() -> None:
         SoakSettings(kinds=("drain", "power"))
 
 
+def test_a_bus_node_kill_needs_a_bus_cluster() -> None:
+    with pytest.raises(ValueError, match="--nats-cluster 3"):
+        SoakSettings(kinds=("drain", "nats_node_kill"))
+    assert "nats_node_kill" not in SoakSettings().kinds
+    assert SoakSettings(kinds=("nats_node_kill",), nats_cluster=3).nats_cluster == 3
+
+
 def test_a_returning_machine_taken_as_a_joiner_has_come_back() -> None:
     assert has_come_back("standby", was_away=False)
     assert has_come_back("active", was_away=True)  # back, and taken straight from the pool
