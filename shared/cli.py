@@ -142,6 +142,7 @@ async def _up(args: argparse.Namespace) -> int:
         fixed_ports=True,
         auth=args.auth,
         auth_machines=machines,
+        rules=args.rules,
     ) as stack:
         print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
         if stack.operator_creds is not None:
@@ -239,6 +240,11 @@ def _parser() -> argparse.ArgumentParser:
         "--auth",
         action="store_true",
         help="generate per-component credentials and run the bus with least-privilege users",
+    )
+    u.add_argument(
+        "--rules",
+        metavar="FILE",
+        help="the health-monitor's alert rules (default: deploy/health-monitor-rules.yaml)",
     )
     u.add_argument(
         "--auth-machines",

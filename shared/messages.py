@@ -157,6 +157,11 @@ class Heartbeat(Message):
     status: HeartbeatStatus
     workers: list[WorkerStatus] = Field(default_factory=list, max_length=1024)
     warm_role_types: list[str] = Field(default_factory=list, max_length=16)
+    instance: str = Field(
+        default="",
+        max_length=64,
+        description="the incarnation of the machine's workers: new at every (re)launch",
+    )
     ts: float = Field(default_factory=now)
 
 
@@ -227,6 +232,7 @@ CommandOp = Literal[
     "status",
     "steps",
     "slow",
+    "fence",
 ]
 
 
@@ -318,6 +324,10 @@ class MachineState(Message):
     status: MachineStatus
     cell: MachineRole | None = None
     warm_role_types: list[str] = Field(default_factory=list)
+    instance: str | None = Field(
+        default=None,
+        description="the incarnation of its workers the planner last admitted or saw active",
+    )
 
 
 class QueuedEvent(Message):

@@ -194,6 +194,9 @@ def _job_setup(s: JobSubjects) -> list[str]:
 
 
 def _planner(p: Permissions, s: JobSubjects) -> None:
+    # Standby heartbeats admit machines to the pool; step statistics name the slowest
+    # machine for a rebalance. Both arrive on subjects only each machine may publish.
+    p.add(subscribe=[s.heartbeats, s.all_stats])
     p.add(publish=[s.plans, s.progress, s.deadletter, s.events])
     p.add(publish=_job_setup(s))
     for what in ("EVENTS", "PLANS", "PROGRESS"):
