@@ -8,6 +8,10 @@ is plausible:
   members of the named group *as the cluster state has it now* (a group of the layout
   and the machines holding its roles, or a transfer pair of an in-flight plan): a
   sidecar cannot fail a machine it shares no group with;
+- a stall report (a voter's progress board names the ranks holding a step back) is
+  believed only from a machine holding a role, about other machines holding roles whose
+  ranks they are, and only while the step statistics agree: a machine that reported the
+  step done was not holding it back;
 - step statistics advance within bounds: a machine's step may run at most `max_lead`
   steps ahead of the other machines of the job (synchronous training keeps them within
   a step or two), so a stream that jumps to step 10,000,000 is not believed, and it
@@ -19,7 +23,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from trainmover.messages import ClusterState, CollectiveErrorReport
+from trainmover.messages import ClusterState, CollectiveErrorReport, StallReport
 from trainmover.runtime.layout import ROLE_GROUP_KINDS
 
 HOLDING = ("active", "leaving", "joining")
@@ -66,6 +70,28 @@ def collective_error_problem(state: ClusterState, report: CollectiveErrorReport)
     return None
 
 
+def stall_problem(
+    state: ClusterState, report: StallReport, last_step: dict[str, int]
+) -> str | None:
+    """Why `report` is not believed (`last_step`: each machine's last believed step)."""
+    layout = state.layout
+    reporter = state.machines.get(report.machine)
+    if reporter is None or reporter.cell is None or reporter.status not in HOLDING:
+        return f"{report.machine} holds no role: it has no vote to wait on"
+    if report.machine in report.culprits:
+        return f"{report.machine} names itself"
+    for machine, ranks in sorted(report.culprits.items()):
+        m = state.machines.get(machine)
+        if m is None or m.cell is None or m.status not in HOLDING:
+            return f"{machine} holds no role: it cannot hold step {report.step} back"
+        own = {layout.global_rank(role) for role in layout.roles_of(m.cell)}
+        if not set(ranks) <= own:
+            return f"ranks {sorted(set(ranks) - own)} are not {machine}'s"
+        if last_step.get(machine, -1) >= report.step:
+            return f"{machine} reported step {last_step[machine]} done: not held back"
+    return None
+
+
 @dataclass
 class StepBounds:
     """Each machine's last believed step in each job; judges the next one."""
@@ -89,3 +115,7 @@ class StepBounds:
 
     def forget(self, job: str, machine: str) -> None:
         self._last.get(job, {}).pop(machine, None)
+
+    def last(self, job: str) -> dict[str, int]:
+        """Each machine's last believed step in `job`."""
+        return dict(self._last.get(job, {}))

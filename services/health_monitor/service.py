@@ -27,6 +27,7 @@ from trainmover.messages import (
     FailureEvent,
     Heartbeat,
     MessageError,
+    StallReport,
     StepStats,
     StragglerEvent,
     StragglerEvidence,
@@ -40,7 +41,11 @@ from trainmover.services.health_monitor.emitter import Emitter
 from trainmover.services.health_monitor.events import event_id
 from trainmover.services.health_monitor.heartbeats import HeartbeatTracker, Lapse, abnormal_exits
 from trainmover.services.health_monitor.metrics import HealthMetrics
-from trainmover.services.health_monitor.plausible import StepBounds, collective_error_problem
+from trainmover.services.health_monitor.plausible import (
+    StepBounds,
+    collective_error_problem,
+    stall_problem,
+)
 from trainmover.services.health_monitor.reexamine import reason_to_ask_again
 from trainmover.services.health_monitor.roster import Roster, RosterChange
 from trainmover.services.health_monitor.rules import load_rules
@@ -119,6 +124,7 @@ class HealthMonitor:
                 await bus.subscribe(
                     nc, subjects.collective_errors, cb=self._guard(self._on_collective_error)
                 ),
+                await bus.subscribe(nc, subjects.stalls, cb=self._guard(self._on_stall)),
             ]
             self._tasks.append(asyncio.create_task(self._follow_state(job)))
         self._tasks.append(asyncio.create_task(self._check_loop()))
@@ -454,6 +460,33 @@ class HealthMonitor:
             ),
             alive_ts=report.ts,
         )
+
+    def _on_stall(self, job: str, msg: Msg) -> None:
+        report = decode(StallReport, msg.data)
+        if report.job != job or msg.subject != JobSubjects(job).stall(report.machine):
+            raise MessageError(
+                f"message names {report.job}/{report.machine} but came on {msg.subject}"
+            )
+        state = self.roster.state(job)
+        if state is None:
+            return
+        problem = stall_problem(state, report, self.steps.last(job))
+        if problem is not None:
+            self._reject(job, msg.subject, msg.data, problem, "implausible_report", report.machine)
+            return
+        for culprit in sorted(report.culprits):
+            self._emit(
+                FailureEvent(
+                    event_id=event_id(
+                        job, culprit, "failure", f"stall:{report.epoch}:{report.step}"
+                    ),
+                    job=job,
+                    machine=culprit,
+                    reason=f"{report.reason} (reported by {report.machine})"[:4096],
+                    source="no_progress",
+                ),
+                alive_ts=None,
+            )
 
     # --- heartbeat deadlines -------------------------------------------------------
 

@@ -31,6 +31,7 @@ from trainmover.messages import (
     Command,
     Heartbeat,
     Plan,
+    StallReport,
     StepStats,
     decode,
     new_id,
@@ -222,6 +223,8 @@ class Sidecar:
             self._loop.call_soon_threadsafe(self._beat_now.set)
         elif isinstance(msg, c.CollectiveErrorEvent):
             self._loop.call_soon_threadsafe(self._report_collective_error, msg)
+        elif isinstance(msg, c.StallEvent):
+            self._loop.call_soon_threadsafe(self._report_stall, msg)
 
     def _report_collective_error(self, error: c.CollectiveErrorEvent) -> None:
         """A rank's collective failed: tell the health-monitor whom it blames."""
@@ -245,6 +248,25 @@ class Sidecar:
             return  # nobody to blame: the heartbeats will tell who died
         task = asyncio.ensure_future(
             self._nc.publish(self._subjects.collective_error(self.machine), report.to_json())
+        )
+        task.add_done_callback(lambda t: t.exception())
+
+    def _report_stall(self, stall: c.StallEvent) -> None:
+        """A rank of this machine names the machines holding a step back."""
+        assert self._nc is not None
+        report = StallReport(
+            job=self.job,
+            machine=self.machine,
+            epoch=stall.epoch,
+            step=stall.step,
+            culprits=stall.culprits,
+            reason=stall.reason[:4000],
+            waited_s=stall.waited_s,
+            median_step_s=stall.median_step_s,
+        )
+        log.warning("step_held_back", job=self.job, machine=self.machine, reason=report.reason)
+        task = asyncio.ensure_future(
+            self._nc.publish(self._subjects.stall(self.machine), report.to_json())
         )
         task.add_done_callback(lambda t: t.exception())
 

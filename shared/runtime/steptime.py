@@ -80,6 +80,11 @@ def run_queue_s() -> float:
     return _own.schedstat.run_queue_s()
 
 
+#: Thread id -> how many waits it is inside now (read by other threads: the progress
+#: beacon tells whether the training thread waits in a collective).
+_INSIDE: dict[int, int] = {}
+
+
 class WaitClock(threading.local):
     """Per-thread totals: seconds spent waiting, and the run-queue delay inside those
     waits (already part of the waiting). Per thread, so a wait on another thread never
@@ -93,11 +98,19 @@ class WaitClock(threading.local):
     def waiting(self) -> Iterator[None]:
         """Counts the enclosed block as waiting (also when it raises)."""
         started, queued = time.perf_counter(), run_queue_s()
+        me = threading.get_ident()
+        _INSIDE[me] = _INSIDE.get(me, 0) + 1
         try:
             yield
         finally:
+            _INSIDE[me] -= 1
             self.waited_s += time.perf_counter() - started
             self.queued_s += run_queue_s() - queued
+
+    @staticmethod
+    def is_waiting(thread_id: int) -> bool:
+        """Whether thread `thread_id` is inside a wait now (from any thread)."""
+        return _INSIDE.get(thread_id, 0) > 0
 
 
 #: Every wait of the runtime goes through this clock.

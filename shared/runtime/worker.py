@@ -60,6 +60,7 @@ from trainmover.runtime.groups import (
 )
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan, RankRef
+from trainmover.runtime.progress import Progress, ProgressBoard, Stall, StallWatch
 from trainmover.runtime.records import open_record_store
 from trainmover.runtime.sandbox import Recorder
 from trainmover.runtime.shadow import ShadowFn, run_shadow
@@ -143,6 +144,7 @@ class Runtime:
         self.signal = AbortSignal("e0", config.runtime.failure_timeout_s)
         self.signal.on_failure = self._on_collective_failure
         self._agreement: CommitAgreement | None = None
+        self._stalls: StallWatch | None = None  # names whoever holds a step back
         self._recovery: _Recovery | None = None
         self._superseded: set[str] = set()  # recover plans replaced by a newer one
         self._builders: list[GroupBuilder] = []
@@ -330,6 +332,8 @@ class Runtime:
                 )
                 continue
             self._state.step = step
+            if self._stalls is not None:
+                self._stalls.step_done(measured.seconds)
             self._conn.notify(
                 c.StepDone(
                     step=step,
@@ -352,6 +356,8 @@ class Runtime:
             self._in_flight = step
             self._voted = self._discarded = self._committed_in_flight = False
         fault.at_step(step)
+        if self._stalls is not None:
+            self._stalls.board.progress.step = step
         if self._agreement is not None:
             self._agreement.begin(step)
         self._begin_recording(step)
@@ -364,6 +370,8 @@ class Runtime:
 
     def _vote(self, step: int) -> None:
         self._voted = True
+        if self._stalls is not None:
+            self._stalls.board.progress.voted = step
         if self._agreement is not None:
             with WAITS.waiting():  # waiting for the slowest voter is not computing
                 self._agreement.vote(step)  # raises StepAborted: nothing is applied
@@ -412,7 +420,44 @@ class Runtime:
                 committed,
                 self.config.runtime.failure_timeout_s,
             )
+            self._stalls = self._watch_stalls()
+            self._agreement.on_stall = self._stalls.stalled
+            stalls = self._stalls
+            # A rank blocked in a collective (nobody may have voted yet) asks too.
+            self.signal.on_wait = lambda waited: stalls.stalled(
+                stalls.board.progress.epoch, stalls.board.progress.step, waited
+            )
         self._agreement.reset(epoch, committed)
+        assert self._stalls is not None
+        self._stalls.board.progress = Progress(epoch=epoch, step=committed, voted=committed)
+
+    def _watch_stalls(self) -> StallWatch:
+        """This rank's entry on the progress board, and its judgement of held-back steps."""
+        assert self.role is not None
+        lay = self.config.layout
+        board = ProgressBoard(
+            self._store_address,
+            self.config.job,
+            lay.global_rank(self.role),
+            lay.machines * lay.tp,
+            self.me.machine,
+        )
+
+        def report(stall: Stall) -> None:
+            self.log.error("step_held_back", step=stall.step, reason=stall.reason)
+            self._conn.notify(
+                c.StallEvent(
+                    epoch=stall.epoch,
+                    step=stall.step,
+                    culprits=stall.culprits,
+                    reason=stall.reason,
+                    waited_s=stall.waited_s,
+                    median_step_s=stall.median_step_s,
+                    t=time.time(),
+                )
+            )
+
+        return StallWatch(board, report)
 
     def _on_collective_failure(self, error: CollectiveError) -> None:
         """First failed collective of an epoch (training thread): report it, and abort
@@ -447,6 +492,8 @@ class Runtime:
         process) and reports the exit."""
         if self._agreement is not None:
             self._agreement.close()
+        if self._stalls is not None:
+            self._stalls.board.close()
         self.groups.shutdown()
         # Not waited for: a build abandoned in a rendezvous with a dead member ends only
         # at its timeout (a leaver whose first joiner died would hold its release, and

@@ -61,7 +61,7 @@ async def _cli(cluster: LocalCluster, *args: str) -> tuple[int, str]:
 async def _slow_all(cluster: LocalCluster, machines: tuple[str, ...], extra_s: float) -> None:
     for machine in machines:
         slow = Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": extra_s})
-        reply = await bus.request(cluster.nc, slow)
+        reply = await bus.request(cluster.nc, slow, timeout=10.0, deadline_s=WAIT_S)
         assert reply.ok, reply.error
 
 
@@ -84,7 +84,7 @@ async def test_straggler_kill_and_drain_under_auth(secure_cluster: LocalCluster,
     # A straggler, found by the health-monitor from m3's own step statistics.
     async with cluster.client.watch(job) as items:
         slow = Command(job=job, machine="m3", op="slow", args={"extra_s": 0.4})
-        reply = await bus.request(cluster.nc, slow)
+        reply = await bus.request(cluster.nc, slow, timeout=10.0, deadline_s=WAIT_S)
         assert reply.ok, reply.error
         straggler = await asyncio.wait_for(_next_straggler(items), WAIT_S)
     assert straggler.machine == "m3"
