@@ -23,7 +23,7 @@ A rank that has not voted for k is
   stuck in its own code): a culprit;
 - *waiting* in a collective otherwise: a victim of a culprit (its peer holds it back).
 
-The machines of the culprits are reported (`Stall`) through the sidecar to the
+The machines of the culprits are reported (a `StallEvent`) through the sidecar to the
 health-monitor, which declares them failed; the fence and the recovery follow as for a
 crash. When every rank is slow alike, voters do not wait long and nobody is named; a
 machine that is slow but progressing finishes its step before the threshold and stays a
@@ -41,6 +41,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from trainmover.runtime.control import StallEvent
 from trainmover.runtime.steptime import WAITS
 
 #: How often each rank rewrites its entry on the board.
@@ -74,18 +75,6 @@ class Entry:
             return Entry(d["m"], d["e"], int(d["s"]), int(d["v"]), bool(d["w"]), int(d["n"]))
         except (ValueError, KeyError, TypeError):
             return None
-
-
-@dataclass(frozen=True)
-class Stall:
-    """The verdict on a step held back: culprit machine -> its culprit ranks, and why."""
-
-    epoch: str
-    step: int
-    culprits: dict[str, list[int]]
-    reason: str
-    waited_s: float
-    median_step_s: float
 
 
 def judge(
@@ -181,7 +170,9 @@ class ProgressBoard:
         with self._lock:
             return self._store.compare_set(key, "", str(self.rank)).decode() == str(self.rank)
 
-    def examine(self, epoch: str, step: int, waited_s: float, median_step_s: float) -> Stall | None:
+    def examine(
+        self, epoch: str, step: int, waited_s: float, median_step_s: float
+    ) -> StallEvent | None:
         """Reads the board twice and names the culprits of (epoch, step), if any."""
         first = self.read()
         time.sleep(2 * self.interval_s)  # on the waiting training thread: it waits anyway
@@ -200,7 +191,15 @@ class ProgressBoard:
             f"no progress: {'; '.join(parts)} did not reach the vote of step {step} for "
             f"{waited_s:.1f}s, {factor:.0f}x the median step"
         )
-        return Stall(epoch, step, culprits, reason, waited_s, median_step_s)
+        return StallEvent(
+            epoch=epoch,
+            step=step,
+            culprits=culprits,
+            reason=reason,
+            waited_s=waited_s,
+            median_step_s=median_step_s,
+            t=time.time(),
+        )
 
 
 @dataclass
@@ -209,8 +208,8 @@ class StallWatch:
     again after each further threshold while nobody could be named."""
 
     board: ProgressBoard
-    report: Callable[[Stall], None]
-    floor_s: float = 2.0
+    report: Callable[[StallEvent], None]
+    floor_s: float = 1.5
     factor: float = 5.0
     recent: list[float] = field(default_factory=list)
     _judged: tuple[str, int, int] | None = None

@@ -60,7 +60,7 @@ from trainmover.runtime.groups import (
 )
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan, RankRef
-from trainmover.runtime.progress import Progress, ProgressBoard, Stall, StallWatch
+from trainmover.runtime.progress import Progress, ProgressBoard, StallWatch
 from trainmover.runtime.records import open_record_store
 from trainmover.runtime.sandbox import Recorder
 from trainmover.runtime.shadow import ShadowFn, run_shadow
@@ -421,12 +421,13 @@ class Runtime:
                 self.config.runtime.failure_timeout_s,
             )
             self._stalls = self._watch_stalls()
-            self._agreement.on_stall = self._stalls.stalled
-            stalls = self._stalls
-            # A rank blocked in a collective (nobody may have voted yet) asks too.
-            self.signal.on_wait = lambda waited: stalls.stalled(
-                stalls.board.progress.epoch, stalls.board.progress.step, waited
-            )
+            if self.config.runtime.stall_detection:
+                self._agreement.on_stall = self._stalls.stalled
+                stalls = self._stalls
+                # A rank blocked in a collective (nobody may have voted yet) asks too.
+                self.signal.on_wait = lambda waited: stalls.stalled(
+                    stalls.board.progress.epoch, stalls.board.progress.step, waited
+                )
         self._agreement.reset(epoch, committed)
         assert self._stalls is not None
         self._stalls.board.progress = Progress(epoch=epoch, step=committed, voted=committed)
@@ -443,21 +444,12 @@ class Runtime:
             self.me.machine,
         )
 
-        def report(stall: Stall) -> None:
+        def report(stall: c.StallEvent) -> None:
             self.log.error("step_held_back", step=stall.step, reason=stall.reason)
-            self._conn.notify(
-                c.StallEvent(
-                    epoch=stall.epoch,
-                    step=stall.step,
-                    culprits=stall.culprits,
-                    reason=stall.reason,
-                    waited_s=stall.waited_s,
-                    median_step_s=stall.median_step_s,
-                    t=time.time(),
-                )
-            )
+            self._conn.notify(stall)
 
-        return StallWatch(board, report)
+        rt = self.config.runtime
+        return StallWatch(board, report, floor_s=rt.stall_floor_s, factor=rt.stall_factor)
 
     def _on_collective_failure(self, error: CollectiveError) -> None:
         """First failed collective of an epoch (training thread): report it, and abort
