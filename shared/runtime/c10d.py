@@ -34,6 +34,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C import _distributed_c10d as _c10d
 from torch.distributed.distributed_c10d import GroupName
 
+from trainmover.runtime import fault
 from trainmover.runtime.groups import Group
 
 #: What `getBackendName` answers (never "gloo": see the module docstring).
@@ -112,7 +113,10 @@ class SwappableGroup(dist.ProcessGroup):
 
     def _post(self, call: str, start: Callable[[Any], Any]) -> Any:
         group = self._group(call)
-        return group.track(call, lambda: start(group.backend))
+        work = group.track(call, lambda: start(group.backend))
+        if call == "allreduce" and group.spec.kind == "dp":
+            fault.point("dp-allreduce")  # test-only: a machine dies mid all-reduce
+        return work
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:
         if isinstance(tensors, torch.Tensor):

@@ -147,6 +147,11 @@ def active() -> ProcessGroups:
     return _ACTIVE[-1]
 
 
+def make_live(pgs: ProcessGroups) -> None:
+    """The live role's groups: what `init_process_group` hands out outside a shadow."""
+    _ACTIVE.insert(0, pgs)
+
+
 def _set_default(pg: dist.ProcessGroup | None) -> None:
     c10d_world._update_default_pg(pg)
 
@@ -213,6 +218,7 @@ def remove_hooks() -> None:
     c10d_world.init_process_group = _REAL_INIT  # type: ignore[assignment]
     c10d_world.new_group = _REAL_NEW_GROUP  # type: ignore[assignment]
     _set_default(None)
+    _ACTIVE.clear()
 
 
 def set_torchrun_env(layout: Layout, role: Role, local_world: int, store_address: str) -> None:

@@ -126,9 +126,9 @@ class LocalBackend:
     def __init__(self, rank: int, size: int, stats: SandboxStats, gen: torch.Generator):
         self.rank, self.size, self._stats, self._gen = rank, size, stats, gen
 
-    def _done(self) -> Any:
+    def _done(self, tensors: Any = None) -> Any:
         self._stats.synthesized += 1
-        return completed_work()
+        return completed_work(tensors)
 
     def _reduce(self, tensor: torch.Tensor, opts: Any) -> None:
         if getattr(opts, "reduceOp", dist.ReduceOp.SUM) == dist.ReduceOp.SUM:
@@ -137,13 +137,13 @@ class LocalBackend:
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         for t in tensors:
             self._reduce(t, opts)
-        return self._done()
+        return self._done(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        return self._done()
+        return self._done(tensors)
 
     def barrier(self, opts: Any = None) -> Any:
         return self._done()
@@ -154,11 +154,11 @@ class LocalBackend:
         for out, inp in zip(outputs, inputs, strict=True):
             for t in out:
                 t.copy_(inp)
-        return self._done()
+        return self._done(outputs)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
         output.copy_(input.reshape(1, -1).expand(self.size, -1).reshape(output.shape))
-        return self._done()
+        return self._done([output])
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
@@ -166,16 +166,16 @@ class LocalBackend:
         for out, inp in zip(outputs, inputs, strict=True):
             out.copy_(inp[self.rank])
             self._reduce(out, opts)
-        return self._done()
+        return self._done(outputs)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
         output.copy_(input.reshape(self.size, -1)[self.rank].reshape(output.shape))
         self._reduce(output, opts)
-        return self._done()
+        return self._done([output])
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> Any:
         output.copy_(input)
-        return self._done()
+        return self._done([output])
 
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
         return self._done()
@@ -183,7 +183,7 @@ class LocalBackend:
     def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
         for t in tensors:
             t.copy_(torch.randn(t.shape, generator=self._gen))
-        return self._done()
+        return self._done(tensors)
 
 
 class SandboxGroup(Group):
