@@ -255,7 +255,9 @@ def _parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="the main job on the embedded default, with migrations")
     dm.add_argument("--json", metavar="FILE", help="write the report as JSON")
-    dm.add_argument("--steps", type=int, default=400, help="training steps of the job")
+    dm.add_argument(
+        "--steps", type=int, help="training steps of the job (default 400; --example ddp 3000)"
+    )
     dm.add_argument("--workdir", help="where runs and logs go (default: temporary)")
     dm.add_argument("--example", help="run examples/NAME instead of the reference job (ddp)")
 

@@ -195,9 +195,12 @@ def table(report: DemoReport) -> str:
     return "\n".join(lines)
 
 
-def main(json_path: str | None, steps: int, workdir: str | None, example: str | None = None) -> int:
+def main(
+    json_path: str | None, steps: int | None, workdir: str | None, example: str | None = None
+) -> int:
     """Runs the demo; exit 0 when every migration is done and the result bit-identical."""
     job = demo_examples.pick(example)
+    steps = steps or job.default_steps
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="trainmover-demo-"))
     report = asyncio.run(
         run(steps, root, demo_examples.scenarios(job, drain, kill, slow_down), job)

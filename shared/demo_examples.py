@@ -22,21 +22,28 @@ class DemoJob:
     description: str
     entry: str
     #: The machine drained, the machine killed, the machine slowed; "joiner:drain"
-    #: names the drain's joiner (a small job has no third original machine).
+    #: names the drain's joiner.
     targets: tuple[str, str, str]
     layout: dict[str, int] = field(default_factory=dict)
     machines: list[str] = field(default_factory=list)
+    #: Steps when `--steps` is not given: enough to still be training when the last
+    #: interruption comes (a straggler is moved only once a drained machine is back).
+    default_steps: int = 400
+    standbys: list[str] = field(default_factory=lambda: ["s0", "s1"])
+    model: dict[str, int] = field(default_factory=dict)
 
     def config(self, steps: int) -> JobConfig:
         base = JobConfig(job="demo")
         sections: dict[str, dict] = {
             "train": {"steps": steps, "dump_steps": [steps]},
             "runtime": {"group_timeout_s": 60},
-            "cluster": {"standbys": ["s0", "s1"], "maintenance_s": 2.0},
+            "cluster": {"standbys": self.standbys, "maintenance_s": 2.0},
         }
         if self.layout:
             sections["layout"] = self.layout
             sections["cluster"]["machines"] = self.machines
+        if self.model:
+            sections["model"] = self.model
         return base.with_updates(**sections)
 
     def sidecar_args(self) -> list[str]:
@@ -53,11 +60,18 @@ REFERENCE = DemoJob(
 EXAMPLES: dict[str, DemoJob] = {
     "ddp": DemoJob(
         name="ddp",
-        description="examples/ddp (a torchrun DDP script) at DP2 on 2 machines + 2 standbys",
+        description="examples/ddp (a torchrun DDP script) at DP2 on 2 machines + 3 standbys",
         entry="trainmover.examples.ddp.train_trainmover",
-        targets=("m0", "m1", "joiner:drain"),
+        # Both machines of a DP2 job have moved once a drain and a failure are done, and
+        # the planner does not move a machine that just joined for being slow: the
+        # failure hits the drain's joiner, the straggler the other original machine.
+        targets=("m0", "joiner:drain", "m1"),
+        standbys=["s0", "s1", "s2"],
         layout={"tp": 1, "pp": 1, "dp": 2},
         machines=["m0", "m1"],
+        # Its steps take milliseconds: thousands of them last as long as the interruptions.
+        default_steps=3000,
+        model={"d_model": 64},
     ),
 }
 

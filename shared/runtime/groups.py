@@ -31,7 +31,7 @@ import torch.distributed as dist
 from trainmover.runtime import fault
 from trainmover.runtime.abort import POLL_S, WAITER, AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.plan import GroupSpec, RankRef
-from trainmover.runtime.steptime import WAITS
+from trainmover.runtime.steptime import IN_FLIGHT, WAITS
 
 _incarnations = itertools.count(1)
 
@@ -161,6 +161,7 @@ class Group:
         self.c10d_failure()
         work = self._start(start, None, call)
         self._c10d.append(work)
+        IN_FLIGHT.track(work)
         return work
 
     def _reap_c10d(self) -> str | None:
