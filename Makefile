@@ -30,8 +30,8 @@ bench: install
 	$(VENV)/bin/trainmover bench
 
 lint: install
-	$(VENV)/bin/ruff check shared services tests tools
-	$(VENV)/bin/ruff format --check shared services tests tools
+	$(VENV)/bin/ruff check shared services tests tools examples
+	$(VENV)/bin/ruff format --check shared services tests tools examples
 	$(PY) tools/mypy_check.py
 	$(PY) -m trainmover.schemas --check
 

@@ -261,8 +261,11 @@ def _parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="the main job on the embedded default, with migrations")
     dm.add_argument("--json", metavar="FILE", help="write the report as JSON")
-    dm.add_argument("--steps", type=int, default=400, help="training steps of the job")
+    dm.add_argument(
+        "--steps", type=int, help="training steps of the job (default 400; --example ddp 3000)"
+    )
     dm.add_argument("--workdir", help="where runs and logs go (default: temporary)")
+    dm.add_argument("--example", help="run examples/NAME instead of the reference job (ddp)")
 
     b = sub.add_parser("bench", help="benchmarks: downtime, rebalance, scale (docs/benchmarks.md)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="benchmark and its options")
@@ -321,9 +324,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("demo", "chaos"):
             _terminate_as_interrupt()
         if args.command == "demo":
-            from trainmover import demo
+            from trainmover import demo, demo_examples
 
-            return demo.main(args.json, args.steps, args.workdir)
+            try:
+                demo_examples.pick(args.example)
+            except ValueError as err:
+                raise CliError(str(err)) from None
+            return demo.main(args.json, args.steps, args.workdir, args.example)
         if args.command == "chaos":
             return _chaos(args)
         if args.command == "service":

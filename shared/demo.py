@@ -26,8 +26,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainmover import bus
-from trainmover.localcluster import LocalCluster
+from trainmover import bus, demo_examples
+from trainmover.demo_examples import REFERENCE, DemoJob
+from trainmover.localcluster import FAST_SIGNALS, LocalCluster
 from trainmover.messages import Command, MigrationProgress, StragglerEvent
 from trainmover.runtime.compare import state_files
 from trainmover.runtime.config import JobConfig
@@ -61,11 +62,7 @@ class DemoReport:
 
 
 def demo_config(steps: int) -> JobConfig:
-    return JobConfig(job="demo").with_updates(
-        train={"steps": steps, "dump_steps": [steps]},
-        runtime={"group_timeout_s": 60},
-        cluster={"standbys": ["s0", "s1"], "maintenance_s": 2.0},
-    )
+    return REFERENCE.config(steps)
 
 
 def say(text: str) -> None:
@@ -147,15 +144,15 @@ async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -
 Scenario = Callable[[LocalCluster], Awaitable[MigrationRow]]
 
 
-async def run(steps: int, workdir: Path, scenarios: list[Scenario]) -> DemoReport:
-    config = demo_config(steps)
+async def run(
+    steps: int, workdir: Path, scenarios: list[Scenario], job: DemoJob = REFERENCE
+) -> DemoReport:
+    config = job.config(steps)
     report = DemoReport(job=config.job, steps=steps)
     t0 = time.monotonic()
-    say(
-        f"starting the local cluster: TP2 x PP2 x DP2 on 4 machines + 2 standbys "
-        f"(workdir {workdir})"
-    )
-    async with LocalCluster(config, workdir / "cluster") as cluster:
+    say(f"starting the local cluster: {job.description} (workdir {workdir})")
+    service_args = {**FAST_SIGNALS, "sidecar": FAST_SIGNALS["sidecar"] + job.sidecar_args()}
+    async with LocalCluster(config, workdir / "cluster", service_args) as cluster:
         await cluster.wait_step("m0", 10, WAIT_S)
         say("training (step 10 reached)")
         follower = asyncio.create_task(_follow(cluster))
@@ -170,8 +167,10 @@ async def run(steps: int, workdir: Path, scenarios: list[Scenario]) -> DemoRepor
     # warms up) would only slow the comparison run on a small host.
     say("running the same job and seed without interruptions, for comparison")
     reference_dir = workdir / "reference"
-    with LocalJob.launch(config, reference_dir, standbys=0, timeout_s=WAIT_S) as job:
-        job.finish(WAIT_S)
+    with LocalJob.launch(
+        config, reference_dir, standbys=0, timeout_s=WAIT_S, entry=job.entry
+    ) as uninterrupted:
+        uninterrupted.finish(WAIT_S)
     report.mismatches = cluster.mismatches(state_files(reference_dir, steps), steps)
     report.bitexact = not report.mismatches
     report.wall_s = time.monotonic() - t0
@@ -196,15 +195,16 @@ def table(report: DemoReport) -> str:
     return "\n".join(lines)
 
 
-def main(json_path: str | None, steps: int, workdir: str | None) -> int:
+def main(
+    json_path: str | None, steps: int | None, workdir: str | None, example: str | None = None
+) -> int:
     """Runs the demo; exit 0 when every migration is done and the result bit-identical."""
+    job = demo_examples.pick(example)
+    steps = steps or job.default_steps
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="trainmover-demo-"))
-    scenarios: list[Scenario] = [
-        lambda c: drain(c, "m1"),
-        lambda c: kill(c, "m2"),
-        lambda c: slow_down(c, "m3"),
-    ]
-    report = asyncio.run(run(steps, root, scenarios))
+    report = asyncio.run(
+        run(steps, root, demo_examples.scenarios(job, drain, kill, slow_down), job)
+    )
     print()
     print(table(report))
     for line in report.mismatches[:10]:

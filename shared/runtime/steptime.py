@@ -117,6 +117,46 @@ class WaitClock(threading.local):
 WAITS = WaitClock()
 
 
+class InFlightClock:
+    """Works that a library waits for itself (DDP's reducer waits for its all-reduces in
+    C++, out of the runtime's reach): each one's span from posting to completion. Time
+    covered by such spans counts as waiting, so a rank held back by a slow peer's late
+    all-reduce is not taken for slow itself; it slightly overstates waiting where a span
+    overlaps the backward pass it was posted in, which only flatters the peers of a slow
+    machine, never the slow machine (its own works complete at once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spans: list[tuple[float, float]] = []
+
+    def track(self, work: object) -> None:
+        """Times `work` (a c10d work) from now to its completion."""
+        started = time.perf_counter()
+
+        def done(_: object) -> None:
+            with self._lock:
+                self._spans.append((started, time.perf_counter()))
+
+        work.get_future().add_done_callback(done)  # type: ignore[attr-defined]
+
+    def covered(self, start: float, end: float) -> float:
+        """Seconds of [start, end] inside some span; forgets spans that ended before
+        `start` (steps are measured in order)."""
+        with self._lock:
+            self._spans = [sp for sp in self._spans if sp[1] > start]
+            spans = sorted((max(a, start), min(b, end)) for a, b in self._spans if a < end)
+        total, reach = 0.0, start
+        for a, b in spans:
+            if b > reach:
+                total += b - max(a, reach)
+                reach = b
+        return total
+
+
+#: Every c10d work posted for a library goes through this clock.
+IN_FLIGHT = InFlightClock()
+
+
 @dataclass(frozen=True)
 class StepTime:
     """One step as measured: wall time, waiting, run-queue delay outside the waits, and
@@ -141,7 +181,8 @@ class StepTimer:
         self._queued_waiting = WAITS.queued_s
 
     def stop(self) -> StepTime:
-        seconds = time.perf_counter() - self._started
-        waited = WAITS.waited_s - self._waited
+        now = time.perf_counter()
+        seconds = now - self._started
+        waited = WAITS.waited_s - self._waited + IN_FLIGHT.covered(self._started, now)
         queued = (run_queue_s() - self._queued) - (WAITS.queued_s - self._queued_waiting)
         return StepTime(seconds=seconds, waited_s=waited, queued_s=max(0.0, queued))
