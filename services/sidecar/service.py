@@ -274,9 +274,9 @@ class Sidecar:
         try:
             result = await self._dispatch(command, timeout)
         except Exception:
-            self._m_commands.inc(op=command.op, outcome="error")
+            self._m_commands.labels(op=command.op, outcome="error").inc()
             raise
-        self._m_commands.inc(op=command.op, outcome="ok")
+        self._m_commands.labels(op=command.op, outcome="ok").inc()
         return result
 
     async def _dispatch(self, command: Command, timeout: float) -> dict[str, object]:
