@@ -13,11 +13,17 @@ warm again. At the end the demo prints a table of the migrations (event, leaver 
 joiner, downtime and its phases, groups rebuilt of the total), runs the same job and
 seed without interruptions, and says whether the final parameters and optimizer state
 are bit-identical. `--json FILE` writes all of it.
+
+While it runs it shows a live display (trainmover.demoview): steps and step rate,
+machines and roles, each migration's phases as they happen. The services' logs go to
+files in the run directory (`<workdir>/logs/`, printed at the start); `verbose` streams
+them to the terminal instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
@@ -26,7 +32,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainmover import bus
+from trainmover import bus, logs
+from trainmover.demoview import DemoDisplay
+from trainmover.jobview import JobView
 from trainmover.localcluster import LocalCluster
 from trainmover.messages import Command, MigrationProgress, StragglerEvent
 from trainmover.runtime.compare import state_files
@@ -147,7 +155,9 @@ async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -
 Scenario = Callable[[LocalCluster], Awaitable[MigrationRow]]
 
 
-async def run(steps: int, workdir: Path, scenarios: list[Scenario]) -> DemoReport:
+async def run(
+    steps: int, workdir: Path, scenarios: list[Scenario], verbose: bool = False
+) -> DemoReport:
     config = demo_config(steps)
     report = DemoReport(job=config.job, steps=steps)
     t0 = time.monotonic()
@@ -155,17 +165,23 @@ async def run(steps: int, workdir: Path, scenarios: list[Scenario]) -> DemoRepor
         f"starting the local cluster: TP2 x PP2 x DP2 on 4 machines + 2 standbys "
         f"(workdir {workdir})"
     )
-    async with LocalCluster(config, workdir / "cluster") as cluster:
-        await cluster.wait_step("m0", 10, WAIT_S)
-        say("training (step 10 reached)")
-        follower = asyncio.create_task(_follow(cluster))
-        try:
-            for scenario in scenarios:
-                report.migrations.append(await scenario(cluster))
-            say("waiting for training to finish")
-            await cluster.wait_finished(WAIT_S)
-        finally:
-            follower.cancel()
+    log_dir = None if verbose else workdir / "logs"
+    if log_dir is not None:
+        say(f"services' logs: {log_dir}/ (worker logs: {workdir}/cluster/run/*/logs/)")
+    async with LocalCluster(config, workdir / "cluster", log_dir=log_dir) as cluster:
+        async with JobView(cluster.nc, cluster.job, total_steps=steps) as view:
+            await cluster.wait_step("m0", 10, WAIT_S)
+            say("training (step 10 reached)")
+            async with contextlib.AsyncExitStack() as shown:
+                if verbose:
+                    follower = asyncio.create_task(_follow(cluster))
+                    shown.callback(follower.cancel)
+                else:
+                    await shown.enter_async_context(DemoDisplay(view))
+                for scenario in scenarios:
+                    report.migrations.append(await scenario(cluster))
+                say("waiting for training to finish")
+                await cluster.wait_finished(WAIT_S)
     # The cluster is down first: its standbys (a drained machine back from maintenance
     # warms up) would only slow the comparison run on a small host.
     say("running the same job and seed without interruptions, for comparison")
@@ -196,15 +212,19 @@ def table(report: DemoReport) -> str:
     return "\n".join(lines)
 
 
-def main(json_path: str | None, steps: int, workdir: str | None) -> int:
+def main(json_path: str | None, steps: int, workdir: str | None, verbose: bool = False) -> int:
     """Runs the demo; exit 0 when every migration is done and the result bit-identical."""
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="trainmover-demo-"))
+    if not verbose:
+        # This process's own logs (the stack, the bus client) go with the services'.
+        (root / "logs").mkdir(parents=True, exist_ok=True)
+        logs.configure("json", stream=open(root / "logs" / "demo.log", "a"))  # noqa: SIM115
     scenarios: list[Scenario] = [
         lambda c: drain(c, "m1"),
         lambda c: kill(c, "m2"),
         lambda c: slow_down(c, "m3"),
     ]
-    report = asyncio.run(run(steps, root, scenarios))
+    report = asyncio.run(run(steps, root, scenarios, verbose))
     print()
     print(table(report))
     for line in report.mismatches[:10]:

@@ -40,7 +40,11 @@ class LocalCluster:
     """The stack for `config`, started in `workdir`; an async context manager."""
 
     def __init__(
-        self, config: JobConfig, workdir: Path, service_args: dict[str, list[str]] | None = None
+        self,
+        config: JobConfig,
+        workdir: Path,
+        service_args: dict[str, list[str]] | None = None,
+        log_dir: Path | None = None,
     ) -> None:
         self.config = config
         self.job = config.job
@@ -51,6 +55,7 @@ class LocalCluster:
             job_config=str(config_path),
             run_dir=workdir / "run",
             service_args=service_args or FAST_SIGNALS,
+            log_dir=log_dir,
         )
         self.steps: dict[str, int] = {}
         self._stepped = asyncio.Condition()
