@@ -70,6 +70,7 @@ def test_every_metric_name_is_unique_and_prefixed() -> None:
         *metric_names.PLANNER,
         *metric_names.EXECUTOR,
         *metric_names.RENDEZVOUS,
+        *metric_names.SIDECAR,
     ]
     assert len(names) == len(set(names)) == len(metric_names.ALL)
     assert all(n.startswith("trainmover_") for n in names)
