@@ -280,7 +280,9 @@ def _parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="the main job on the embedded default, with migrations")
     dm.add_argument("--json", metavar="FILE", help="write the report as JSON")
-    dm.add_argument("--steps", type=int, default=400, help="training steps of the job")
+    # Enough steps that the straggler's warm standby (the drained machine, back from its
+    # maintenance) is ready before training ends, also on a quiet host.
+    dm.add_argument("--steps", type=int, default=600, help="training steps of the job")
     dm.add_argument("--workdir", help="where runs and logs go (default: temporary)")
     dm.add_argument(
         "--verbose", action="store_true", help="stream the services' logs instead of files"

@@ -44,6 +44,14 @@ from trainmover.runtime.driver import LocalJob
 WAIT_S = 600.0
 
 
+class DemoFailed(RuntimeError):
+    """A scenario could not be played (one line for the person running the demo)."""
+
+
+STRAGGLER_STEPS = 40
+"""Steps a slowed machine needs to be flagged (the detector's window) and moved."""
+
+
 @dataclass
 class MigrationRow:
     kind: str
@@ -137,6 +145,12 @@ async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -
         lambda s: any(m.status == "standby" and m.warm_role_types for m in s.machines.values()),
         WAIT_S,
     )
+    left = cluster.config.train.steps - max(cluster.steps.values(), default=0)
+    if left < STRAGGLER_STEPS:
+        raise DemoFailed(
+            f"only {left} training steps left once a standby was warm: too few to detect a "
+            "straggler; run the demo with more --steps"
+        )
     say(f"slowing {machine} by {extra_s} s of compute per step (a straggler)")
     async with cluster.client.watch(cluster.job) as items:
         reply = await bus.request(
@@ -144,7 +158,7 @@ async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -
             Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": extra_s}),
         )
         if not reply.ok:
-            raise RuntimeError(f"could not slow {machine}: {reply.error}")
+            raise DemoFailed(f"could not slow {machine}: {reply.error}")
         async for item in items:
             if isinstance(item, StragglerEvent) and item.machine == machine:
                 say(f"  the straggler detector flagged {machine}: {item.evidence}")
@@ -224,7 +238,11 @@ def main(json_path: str | None, steps: int, workdir: str | None, verbose: bool =
         lambda c: kill(c, "m2"),
         lambda c: slow_down(c, "m3"),
     ]
-    report = asyncio.run(run(steps, root, scenarios, verbose))
+    try:
+        report = asyncio.run(run(steps, root, scenarios, verbose))
+    except DemoFailed as err:
+        print(f"trainmover demo: error: {err} (logs: {root / 'logs'})", file=sys.stderr)
+        return 1
     print()
     print(table(report))
     for line in report.mismatches[:10]:

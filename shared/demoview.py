@@ -89,9 +89,13 @@ class DemoDisplay:
             print(f"  migration {migration_line(m)}", flush=True)
 
     async def _print_status(self) -> None:
+        last = ""
         while True:
             await asyncio.sleep(STATUS_EVERY_S)
-            print(f"  {status_line(self.view)}", flush=True)
+            line = status_line(self.view)
+            if line != last:  # a finished job says nothing new
+                print(f"  {line}", flush=True)
+                last = line
 
     async def _refresh(self) -> None:
         assert self._live is not None
