@@ -161,7 +161,11 @@ async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -
             raise DemoFailed(f"could not slow {machine}: {reply.error}")
         async for item in items:
             if isinstance(item, StragglerEvent) and item.machine == machine:
-                say(f"  the straggler detector flagged {machine}: {item.evidence}")
+                ev = item.evidence
+                say(
+                    f"  the straggler detector flagged {machine}: median step "
+                    f"{ev.machine_median_s:.3f} s vs the job's {ev.job_median_s:.3f} s"
+                )
                 return await _migration(cluster, "straggler", item.event_id)
     raise RuntimeError("the event stream ended")
 

@@ -41,16 +41,21 @@ def migration_line(m: MigrationView) -> str:
 
 def status_line(view: JobView) -> str:
     total = f"/{view.total_steps}" if view.total_steps else ""
-    active = [m["machine"] for m in view.machines() if not m["standby"]]
+    machines = view.machines()
+    serving = [m["machine"] for m in machines if m["role"]]
     standbys = [
-        f"{m['machine']} ({'warm' if m['warm'] else m['status'] if m['status'] != 'standby' else 'cold'})"
-        for m in view.machines()
+        f"{m['machine']} ({'warm' if m['warm'] else 'cold' if m['status'] == 'standby' else m['status']})"
+        for m in machines
         if m["standby"]
     ]
-    return (
+    out = [
+        f"{m['machine']} ({m['status']})" for m in machines if not m["role"] and not m["standby"]
+    ]
+    line = (
         f"step {view.step}{total} at {view.step_rate():.2f} steps/s; "
-        f"active {' '.join(active) or '-'}; standbys {', '.join(standbys) or '-'}"
+        f"serving {' '.join(serving) or '-'}; standbys {', '.join(standbys) or '-'}"
     )
+    return line + (f"; out {', '.join(out)}" if out else "")
 
 
 class DemoDisplay:
