@@ -34,8 +34,8 @@ bench: $(STAMP)
 	$(VENV)/bin/trainmover bench
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check shared services tests tools
-	$(VENV)/bin/ruff format --check shared services tests tools
+	$(VENV)/bin/ruff check shared services tests tools examples
+	$(VENV)/bin/ruff format --check shared services tests tools examples
 	$(PY) tools/mypy_check.py
 	$(PY) -m trainmover.schemas --check
 

@@ -2,13 +2,18 @@
 
 shared/   -> trainmover            (schemas, bus helpers, runtime library, client, CLI)
 services/ -> trainmover.services   (health_monitor, planner, executor, sidecar)
+examples/ -> trainmover.examples   (training scripts run under TrainMover, each one tested)
 
 Everything else lives in pyproject.toml.
 """
 
 from setuptools import find_packages, setup
 
-PACKAGE_DIRS = {"trainmover": "shared", "trainmover.services": "services"}
+PACKAGE_DIRS = {
+    "trainmover": "shared",
+    "trainmover.services": "services",
+    "trainmover.examples": "examples",
+}
 
 packages = [
     f"{name}.{sub}" if sub else name

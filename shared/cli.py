@@ -142,6 +142,7 @@ async def _up(args: argparse.Namespace) -> int:
         fixed_ports=True,
         auth=args.auth,
         auth_machines=machines,
+        rules=args.rules,
     ) as stack:
         print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
         if stack.operator_creds is not None:
@@ -262,6 +263,11 @@ def _parser() -> argparse.ArgumentParser:
         help="generate per-component credentials and run the bus with least-privilege users",
     )
     u.add_argument(
+        "--rules",
+        metavar="FILE",
+        help="the health-monitor's alert rules (default: deploy/health-monitor-rules.yaml)",
+    )
+    u.add_argument(
         "--auth-machines",
         metavar="M1,M2",
         help="machines that get sidecar credentials (default: the job config's machines and standbys)",
@@ -280,10 +286,11 @@ def _parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="the main job on the embedded default, with migrations")
     dm.add_argument("--json", metavar="FILE", help="write the report as JSON")
-    # Enough steps that the straggler's warm standby (the drained machine, back from its
-    # maintenance) is ready before training ends, also on a quiet host.
-    dm.add_argument("--steps", type=int, default=600, help="training steps of the job")
+    dm.add_argument(
+        "--steps", type=int, help="training steps of the job (default 600; --example ddp 3000)"
+    )
     dm.add_argument("--workdir", help="where runs and logs go (default: temporary)")
+    dm.add_argument("--example", help="run examples/NAME instead of the reference job (ddp)")
     dm.add_argument(
         "--verbose", action="store_true", help="stream the services' logs instead of files"
     )
@@ -351,9 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("demo", "chaos"):
             _terminate_as_interrupt()
         if args.command == "demo":
-            from trainmover import demo
+            from trainmover import demo, demo_examples
 
-            return demo.main(args.json, args.steps, args.workdir, args.verbose)
+            try:
+                demo_examples.pick(args.example)
+            except ValueError as err:
+                raise CliError(str(err)) from None
+            return demo.main(args.json, args.steps, args.workdir, args.example, args.verbose)
         if args.command == "chaos":
             return _chaos(args)
         if args.command == "service":

@@ -32,10 +32,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainmover import bus, logs
+from trainmover import bus, demo_examples, logs
+from trainmover.demo_examples import REFERENCE, DemoJob
 from trainmover.demoview import DemoDisplay
 from trainmover.jobview import JobView
-from trainmover.localcluster import LocalCluster
+from trainmover.localcluster import FAST_SIGNALS, LocalCluster
 from trainmover.messages import Command, MigrationProgress, StragglerEvent
 from trainmover.runtime.compare import state_files
 from trainmover.runtime.config import JobConfig
@@ -77,11 +78,7 @@ class DemoReport:
 
 
 def demo_config(steps: int) -> JobConfig:
-    return JobConfig(job="demo").with_updates(
-        train={"steps": steps, "dump_steps": [steps]},
-        runtime={"group_timeout_s": 60},
-        cluster={"standbys": ["s0", "s1"], "maintenance_s": 2.0},
-    )
+    return REFERENCE.config(steps)
 
 
 def say(text: str) -> None:
@@ -174,19 +171,21 @@ Scenario = Callable[[LocalCluster], Awaitable[MigrationRow]]
 
 
 async def run(
-    steps: int, workdir: Path, scenarios: list[Scenario], verbose: bool = False
+    steps: int,
+    workdir: Path,
+    scenarios: list[Scenario],
+    job: DemoJob = REFERENCE,
+    verbose: bool = False,
 ) -> DemoReport:
-    config = demo_config(steps)
+    config = job.config(steps)
     report = DemoReport(job=config.job, steps=steps)
     t0 = time.monotonic()
-    say(
-        f"starting the local cluster: TP2 x PP2 x DP2 on 4 machines + 2 standbys "
-        f"(workdir {workdir})"
-    )
+    say(f"starting the local cluster: {job.description} (workdir {workdir})")
     log_dir = None if verbose else workdir / "logs"
     if log_dir is not None:
         say(f"services' logs: {log_dir}/ (worker logs: {workdir}/cluster/run/*/logs/)")
-    async with LocalCluster(config, workdir / "cluster", log_dir=log_dir) as cluster:
+    service_args = {**FAST_SIGNALS, "sidecar": FAST_SIGNALS["sidecar"] + job.sidecar_args()}
+    async with LocalCluster(config, workdir / "cluster", service_args, log_dir=log_dir) as cluster:
         async with JobView(cluster.nc, cluster.job, total_steps=steps) as view:
             await cluster.wait_step("m0", 10, WAIT_S)
             say("training (step 10 reached)")
@@ -204,8 +203,10 @@ async def run(
     # warms up) would only slow the comparison run on a small host.
     say("running the same job and seed without interruptions, for comparison")
     reference_dir = workdir / "reference"
-    with LocalJob.launch(config, reference_dir, standbys=0, timeout_s=WAIT_S) as job:
-        job.finish(WAIT_S)
+    with LocalJob.launch(
+        config, reference_dir, standbys=0, timeout_s=WAIT_S, entry=job.entry
+    ) as uninterrupted:
+        uninterrupted.finish(WAIT_S)
     report.mismatches = cluster.mismatches(state_files(reference_dir, steps), steps)
     report.bitexact = not report.mismatches
     report.wall_s = time.monotonic() - t0
@@ -230,20 +231,24 @@ def table(report: DemoReport) -> str:
     return "\n".join(lines)
 
 
-def main(json_path: str | None, steps: int, workdir: str | None, verbose: bool = False) -> int:
+def main(
+    json_path: str | None,
+    steps: int | None,
+    workdir: str | None,
+    example: str | None = None,
+    verbose: bool = False,
+) -> int:
     """Runs the demo; exit 0 when every migration is done and the result bit-identical."""
+    job = demo_examples.pick(example)
+    steps = steps or job.default_steps
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="trainmover-demo-"))
     if not verbose:
         # This process's own logs (the stack, the bus client) go with the services'.
         (root / "logs").mkdir(parents=True, exist_ok=True)
         logs.configure("json", stream=open(root / "logs" / "demo.log", "a"))  # noqa: SIM115
-    scenarios: list[Scenario] = [
-        lambda c: drain(c, "m1"),
-        lambda c: kill(c, "m2"),
-        lambda c: slow_down(c, "m3"),
-    ]
+    scenarios = demo_examples.scenarios(job, drain, kill, slow_down)
     try:
-        report = asyncio.run(run(steps, root, scenarios, verbose))
+        report = asyncio.run(run(steps, root, scenarios, job, verbose))
     except DemoFailed as err:
         print(f"trainmover demo: error: {err} (logs: {root / 'logs'})", file=sys.stderr)
         return 1

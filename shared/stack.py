@@ -39,6 +39,14 @@ log = get_logger("stack")
 # Start order: consumers before producers, so nothing published at start is missed.
 STACK_SERVICES = ("planner", "executor", "health-monitor")
 
+SHIPPED_RULES = Path(__file__).resolve().parents[1] / "deploy" / "health-monitor-rules.yaml"
+"""The alert rules the health-monitor of `trainmover up` maps Alertmanager alerts with."""
+
+
+def default_rules() -> str | None:
+    """The shipped rules file, where this install has it (a checkout of the project)."""
+    return str(SHIPPED_RULES) if SHIPPED_RULES.is_file() else None
+
 
 def available_services() -> list[str]:
     """The services of STACK_SERVICES whose package provides `main` in this build."""
@@ -71,6 +79,7 @@ class Stack:
         auth_machines: list[str] | None = None,
         bcrypt_cost: int | None = None,
         log_dir: str | Path | None = None,
+        rules: str | None = None,
     ) -> None:
         self._given_url = resolve_url(nats_url)
         self._store_dir = store_dir
@@ -92,6 +101,7 @@ class Stack:
         self.auth = auth
         self._auth_machines = auth_machines
         self._bcrypt_cost = bcrypt_cost
+        self.rules = str(Path(rules).resolve()) if rules else default_rules()
         self._auth_tmp: str | None = None
         self.auth_dir: Path | None = None
         self.jobs: dict[str, list[str]] = {}
@@ -186,6 +196,8 @@ class Stack:
             # Machines starting together on a small host take seconds before their first
             # heartbeat (each imports torch); do not take that for a failure.
             args += ["--startup-grace", "60"]
+            if self.rules:
+                args += ["--rules", self.rules]
         return args + list(extra) + self._service_args.get(name, [])
 
     def _service_env(self, name: str, machine: str | None = None) -> dict[str, str]:

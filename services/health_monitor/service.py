@@ -28,6 +28,7 @@ from trainmover.messages import (
     FailureEvent,
     Heartbeat,
     MessageError,
+    StallReport,
     StepStats,
     StragglerEvent,
     StragglerEvidence,
@@ -40,6 +41,11 @@ from trainmover.services.health_monitor.emitter import Emitter
 from trainmover.services.health_monitor.events import event_id
 from trainmover.services.health_monitor.heartbeats import HeartbeatTracker, Lapse, abnormal_exits
 from trainmover.services.health_monitor.metrics import HealthMetrics
+from trainmover.services.health_monitor.plausible import (
+    StepBounds,
+    collective_error_problem,
+    stall_problem,
+)
 from trainmover.services.health_monitor.reexamine import reason_to_ask_again
 from trainmover.services.health_monitor.roster import Roster, RosterChange
 from trainmover.services.health_monitor.rules import load_rules
@@ -73,6 +79,7 @@ class HealthMonitor:
         self.stragglers = StragglerDetector(
             settings.straggler_factor, settings.straggler_steps, settings.straggler_window
         )
+        self.steps = StepBounds()
         self.rules = load_rules(settings.rules)
         self._given_nc = nc
         self._nc: NatsClient | None = None
@@ -109,12 +116,15 @@ class HealthMonitor:
         self.emitter.start()
         for job in s.jobs:
             subjects = JobSubjects(job)
+            # bus.subscribe: a subscription the bus refuses ends the start with its subject.
+            nc = self._nc
             self._subs += [
-                await self._nc.subscribe(subjects.heartbeats, cb=self._guard(self._on_heartbeat)),
-                await self._nc.subscribe(subjects.all_stats, cb=self._guard(self._on_stats)),
-                await self._nc.subscribe(
-                    subjects.collective_errors, cb=self._guard(self._on_collective_error)
+                await bus.subscribe(nc, subjects.heartbeats, cb=self._guard(self._on_heartbeat)),
+                await bus.subscribe(nc, subjects.all_stats, cb=self._guard(self._on_stats)),
+                await bus.subscribe(
+                    nc, subjects.collective_errors, cb=self._guard(self._on_collective_error)
                 ),
+                await bus.subscribe(nc, subjects.stalls, cb=self._guard(self._on_stall)),
             ]
             self._tasks.append(asyncio.create_task(self._follow_state(job)))
         self._tasks.append(asyncio.create_task(self._check_loop()))
@@ -231,6 +241,7 @@ class HealthMonitor:
         for machine in change.settled:
             self.tracker.unwatch(job, machine)
             self.stragglers.forget(job, machine)
+            self.steps.forget(job, machine)
             self.emitter.settle(
                 job, machine, f"machine is now {self.roster.status(job, machine) or 'removed'}"
             )
@@ -355,6 +366,10 @@ class HealthMonitor:
         self.metrics.step_stats.labels(job=job).inc()
         if self.roster.status(job, stats.machine) != "active":
             return  # standbys run shadow iterations: their times are not the job's
+        problem = self.steps.check(job, stats.machine, stats.step)
+        if problem is not None:
+            self._reject(job, msg.subject, msg.data, problem, "implausible_stats", stats.machine)
+            return
         state = self.roster.state(job)
         if state is not None and state.in_flight:
             # A migration's phase 1 builds groups in the background and slows the
@@ -415,6 +430,11 @@ class HealthMonitor:
             return
         if not self._known(job, report.peer, msg.subject, msg.data, "blamed peer"):
             return
+        state = self.roster.state(job)
+        problem = collective_error_problem(state, report) if state is not None else None
+        if problem is not None:
+            self._reject(job, msg.subject, msg.data, problem, "implausible_report", report.machine)
+            return
         if not self.tracker.is_watched(job, report.peer):
             log.info(
                 "collective_error_ignored",
@@ -439,6 +459,33 @@ class HealthMonitor:
             ),
             alive_ts=report.ts,
         )
+
+    def _on_stall(self, job: str, msg: Msg) -> None:
+        report = decode(StallReport, msg.data)
+        if report.job != job or msg.subject != JobSubjects(job).stall(report.machine):
+            raise MessageError(
+                f"message names {report.job}/{report.machine} but came on {msg.subject}"
+            )
+        state = self.roster.state(job)
+        if state is None:
+            return
+        problem = stall_problem(state, report, self.steps.last(job))
+        if problem is not None:
+            self._reject(job, msg.subject, msg.data, problem, "implausible_report", report.machine)
+            return
+        for culprit in sorted(report.culprits):
+            self._emit(
+                FailureEvent(
+                    event_id=event_id(
+                        job, culprit, "failure", f"stall:{report.epoch}:{report.step}"
+                    ),
+                    job=job,
+                    machine=culprit,
+                    reason=f"{report.reason} (reported by {report.machine})"[:4096],
+                    source="no_progress",
+                ),
+                alive_ts=None,
+            )
 
     # --- heartbeat deadlines -------------------------------------------------------
 
