@@ -21,4 +21,4 @@ packages = [
     for sub in ["", *find_packages(folder)]
 ]
 
-setup(packages=packages, package_dir=PACKAGE_DIRS, package_data={"trainmover": ["py.typed"]})
+setup(packages=packages, package_dir=PACKAGE_DIRS, package_data={"trainmover": ["py.typed", "statuspage.html"]})

@@ -147,14 +147,35 @@ async def _up(args: argparse.Namespace) -> int:
         print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
         if stack.operator_creds is not None:
             print(f"export TRAINMOVER_NATS_CREDS={stack.operator_creds}", flush=True)
+        page = await _status_page(stack, args.status_port)
         print(
             f"trainmover up: running {', '.join(stack.running) or 'bus only'}; "
             "Ctrl-C stops everything",
             file=sys.stderr,
             flush=True,
         )
-        await stack.wait(stop)
+        try:
+            await stack.wait(stop)
+        finally:
+            if page is not None:
+                await page.stop()
+                await page.view.nc.close()
     return 0
+
+
+async def _status_page(stack: Any, port: int) -> Any:
+    """Serves the job's live status page (trainmover.statuspage) and prints its URL."""
+    if stack.config is None:
+        return None
+    from trainmover import bus
+    from trainmover.statuspage import StatusPage
+
+    auth = credentials.from_file(stack.operator_creds) if stack.operator_creds else None
+    nc = await bus.connect(stack.url, "status-page", auth=auth)
+    page = StatusPage(nc, stack.config.job, stack.config.train.steps)
+    url = await page.start("127.0.0.1", port)
+    print(f"status page: {url}", flush=True)
+    return page
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -252,6 +273,10 @@ def _parser() -> argparse.ArgumentParser:
         help="machines that get sidecar credentials (default: the job config's machines and standbys)",
     )
 
+    u.add_argument(
+        "--status-port", type=int, default=0, help="port of the status page (default: a free one)"
+    )
+
     a = sub.add_parser("auth", help="generate credentials and nats-server configs")
     a.add_argument("args", nargs=argparse.REMAINDER, help="see `trainmover auth --help`")
 
@@ -262,10 +287,13 @@ def _parser() -> argparse.ArgumentParser:
     dm = sub.add_parser("demo", help="the main job on the embedded default, with migrations")
     dm.add_argument("--json", metavar="FILE", help="write the report as JSON")
     dm.add_argument(
-        "--steps", type=int, help="training steps of the job (default 400; --example ddp 3000)"
+        "--steps", type=int, help="training steps of the job (default 600; --example ddp 3000)"
     )
     dm.add_argument("--workdir", help="where runs and logs go (default: temporary)")
     dm.add_argument("--example", help="run examples/NAME instead of the reference job (ddp)")
+    dm.add_argument(
+        "--verbose", action="store_true", help="stream the services' logs instead of files"
+    )
 
     b = sub.add_parser("bench", help="benchmarks: downtime, rebalance, scale (docs/benchmarks.md)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="benchmark and its options")
@@ -295,6 +323,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+QUIET_COMMANDS = frozenset({"drain", "fail", "status", "watch", "demo"})
+"""Commands that log at warning unless told otherwise."""
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = {
     "drain": _drain,
     "fail": _fail,
@@ -307,7 +338,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logs.configure(args.log_format, args.log_level)
+    # Commands a person runs at a terminal show their answer, not the bus client's info
+    # lines; --log-level or $TRAINMOVER_LOG_LEVEL still win.
+    quiet = args.command in QUIET_COMMANDS and not os.environ.get(logs.LEVEL_ENV)
+    logs.configure(args.log_format, args.log_level or ("warning" if quiet else None))
     try:
         if args.command == "version":
             print(f"trainmover {__version__}")
@@ -330,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                 demo_examples.pick(args.example)
             except ValueError as err:
                 raise CliError(str(err)) from None
-            return demo.main(args.json, args.steps, args.workdir, args.example)
+            return demo.main(args.json, args.steps, args.workdir, args.example, args.verbose)
         if args.command == "chaos":
             return _chaos(args)
         if args.command == "service":

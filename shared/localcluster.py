@@ -46,6 +46,7 @@ class LocalCluster:
         config: JobConfig,
         workdir: Path,
         service_args: dict[str, list[str]] | None = None,
+        log_dir: Path | None = None,
         auth: bool = False,
         bcrypt_cost: int | None = None,
     ) -> None:
@@ -58,6 +59,7 @@ class LocalCluster:
             job_config=str(config_path),
             run_dir=workdir / "run",
             service_args=service_args or FAST_SIGNALS,
+            log_dir=log_dir,
             auth=auth,
             bcrypt_cost=bcrypt_cost,
         )

@@ -78,6 +78,7 @@ class Stack:
         auth: bool = False,
         auth_machines: list[str] | None = None,
         bcrypt_cost: int | None = None,
+        log_dir: str | Path | None = None,
         rules: str | None = None,
     ) -> None:
         self._given_url = resolve_url(nats_url)
@@ -87,6 +88,8 @@ class Stack:
         self._services = available_services() if services is None else services
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="trainmover-run-"))
         self._service_args = service_args or {}
+        #: Where each process's output goes (<name>.log); None: this process's terminal.
+        self.log_dir = Path(log_dir) if log_dir else None
         self._fixed_ports = fixed_ports
         self._cluster = cluster
         self._nats: EmbeddedNats | None = None
@@ -207,17 +210,27 @@ class Stack:
         return env
 
     async def _exec(
-        self, args: list[str], env: dict[str, str], new_group: bool = False
+        self, args: list[str], env: dict[str, str], log_name: str, new_group: bool = False
     ) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            start_new_session=new_group,
-            env=env,
-        )
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{log_name}.log", "ab")  # noqa: ASYNC230, SIM115
+        try:
+            return await asyncio.create_subprocess_exec(
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT if out else None,
+                start_new_session=new_group,
+                env=env,
+            )
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own descriptor
 
     async def _spawn(self, name: str) -> None:
-        self._procs[name] = await self._exec(self._args(name), self._service_env(name))
+        self._procs[name] = await self._exec(self._args(name), self._service_env(name), name)
         log.info("service_started", service=name, pid=self._procs[name].pid)
 
     async def restart_service(self, name: str, kill: bool = True) -> None:
@@ -259,7 +272,7 @@ class Stack:
             str(self.run_dir / machine),
         )
         env = self._service_env("sidecar", machine)
-        self.machines[machine] = await self._exec(args, env, new_group=True)
+        self.machines[machine] = await self._exec(args, env, f"sidecar-{machine}", new_group=True)
         log.info("machine_started", machine=machine, pid=self.machines[machine].pid)
 
     def kill_machine(self, machine: str) -> None:

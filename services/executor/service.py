@@ -220,11 +220,11 @@ class ExecutorService:
         )
         final = await migration.run()
         outcome = "done" if final.step == "done" else "failed"
-        self._m_migrations.inc(kind=final.plan.migration, outcome=outcome)
+        self._m_migrations.labels(kind=final.plan.migration, outcome=outcome).inc()
         if outcome == "done":
             self._m_downtime.observe(final.phases.get("downtime", 0.0))
             for phase, seconds in final.phases.items():
-                self._m_phase.set(seconds, phase=phase)
+                self._m_phase.labels(phase=phase).set(seconds)
 
     # --- plans the planner withdrew ----------------------------------------------------
 

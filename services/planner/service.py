@@ -330,7 +330,7 @@ class PlannerService:
             outbox = [*before.outbox, *_outbox_entries(outcome)]
             await self._save(outcome.state.model_copy(update={"outbox": outbox}))
             for p in outcome.progress:
-                self._m_decisions.inc(outcome=p.state)
+                self._m_decisions.labels(outcome=p.state).inc()
                 log.info(
                     "decision",
                     job=self._job,
@@ -341,7 +341,7 @@ class PlannerService:
                     **context,
                 )
             for plan in outcome.plans:
-                self._m_plans.inc(kind=plan.migration)
+                self._m_plans.labels(kind=plan.migration).inc()
             await self._flush_outbox()
 
     async def _flush_outbox(self) -> None:

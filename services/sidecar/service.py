@@ -22,7 +22,7 @@ from pathlib import Path
 from nats.aio.client import Client as NatsClient
 from nats.js.errors import KeyNotFoundError
 
-from trainmover import bus
+from trainmover import bus, metric_names
 from trainmover.httpserver import HttpServer, serve_observability
 from trainmover.logs import get_logger
 from trainmover.messages import (
@@ -103,11 +103,11 @@ class Sidecar:
         self.workers.tracker.listeners.append(self._on_worker_event)
         self.metrics = Registry()
         self._m_commands = self.metrics.counter(
-            "trainmover_sidecar_commands_total",
+            metric_names.SIDECAR_COMMANDS,
             "Commands handled, by op and outcome",
             ["op", "outcome"],
         )
-        self._m_steps = self.metrics.gauge("trainmover_sidecar_step", "Last step of the machine")
+        self._m_steps = self.metrics.gauge(metric_names.SIDECAR_STEP, "Last step of the machine")
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -303,9 +303,9 @@ class Sidecar:
         try:
             result = await self._dispatch(command, timeout)
         except Exception:
-            self._m_commands.inc(op=command.op, outcome="error")
+            self._m_commands.labels(op=command.op, outcome="error").inc()
             raise
-        self._m_commands.inc(op=command.op, outcome="ok")
+        self._m_commands.labels(op=command.op, outcome="ok").inc()
         return result
 
     async def _dispatch(self, command: Command, timeout: float) -> dict[str, object]:
