@@ -20,7 +20,7 @@ A rank that has not voted for k is
 - *frozen* when its counter did not move (the whole process is stopped, or cut off
   from the store): a culprit;
 - *computing* when it is not waiting in a collective (spinning outside any collective,
-  stuck in its own code): a culprit;
+  stuck in its own code) and past its first step of the epoch: a culprit;
 - *waiting* in a collective otherwise: a victim of a culprit (its peer holds it back).
 
 The machines of the culprits are reported (a `StallEvent`) through the sidecar to the
@@ -46,6 +46,8 @@ from trainmover.runtime.steptime import WAITS
 
 #: How often each rank rewrites its entry on the board.
 INTERVAL_S = 0.25
+#: Steps a rank must have timed before it judges others.
+MIN_HISTORY = 3
 
 
 @dataclass
@@ -55,6 +57,9 @@ class Progress:
     epoch: str = "e0"
     step: int = 0
     voted: int = -1
+    #: Steps this rank completed in this epoch: its first one (lazy initialisation, a
+    #: joiner's first iteration, a loaded host) is not judged as computing too long.
+    done: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,12 +72,15 @@ class Entry:
     voted: int
     waiting: bool
     counter: int
+    done: int = 0
 
     @staticmethod
     def parse(raw: bytes) -> Entry | None:
         try:
             d = json.loads(raw)
-            return Entry(d["m"], d["e"], int(d["s"]), int(d["v"]), bool(d["w"]), int(d["n"]))
+            return Entry(
+                d["m"], d["e"], int(d["s"]), int(d["v"]), bool(d["w"]), int(d["n"]), int(d["f"])
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -95,10 +103,11 @@ def judge(
             continue
         if before is not None and before.counter == now.counter:
             doing[rank] = "frozen"
-        elif not now.waiting:
+        elif not now.waiting and now.done > 0:
             doing[rank] = "computing"
         else:
-            doing[rank] = "waiting"
+            # Waiting on someone else, or still in its first step of the epoch.
+            doing[rank] = "waiting" if now.waiting else "starting"
             continue
         culprits.setdefault(now.machine, []).append(rank)
     return culprits, doing
@@ -147,6 +156,7 @@ class ProgressBoard:
                 "v": p.voted,
                 "w": WAITS.is_waiting(self._training_thread),
                 "n": self._counter,
+                "f": p.done,
             }
             try:
                 with self._lock:
@@ -217,6 +227,7 @@ class StallWatch:
     def step_done(self, seconds: float) -> None:
         self.recent.append(seconds)
         del self.recent[:-32]
+        self.board.progress.done += 1
 
     def median_step_s(self) -> float:
         ordered = sorted(self.recent)
@@ -227,6 +238,8 @@ class StallWatch:
 
     def stalled(self, epoch: str, step: int, waited_s: float) -> None:
         """Called while this rank waits for the decision of `step`."""
+        if len(self.recent) < MIN_HISTORY or self.board.progress.done < 1:
+            return  # no step time to judge against yet (start, recovery, joining)
         attempt = int(waited_s // self.threshold_s())
         if attempt < 1 or self._judged == (epoch, step, attempt):
             return

@@ -52,6 +52,7 @@ async def _slow_all(cluster: Cluster, extra_s: float) -> None:
 async def test_frozen_workers_are_named_and_moved(cluster: Cluster, reference) -> None:
     await cluster.wait_step("m1", 10, WAIT_S)
     await cluster.wait_standbys_warm(WAIT_S)
+    pids = await _worker_pids(cluster, "m1")
     async with cluster.client.watch(cluster.job) as items:
         failures: list[FailureEvent] = []
 
@@ -65,11 +66,10 @@ async def test_frozen_workers_are_named_and_moved(cluster: Cluster, reference) -
             # The control case: everyone slower alike for a while names nobody.
             await _slow_all(cluster, 0.3)
             now = max(cluster.steps.values())
-            await cluster.wait_step("m0", now + 12, WAIT_S)
+            await cluster.wait_step("m0", now + 8, WAIT_S)
             await _slow_all(cluster, 0.0)
             assert failures == []
 
-            pids = await _worker_pids(cluster, "m1")
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
             state = await cluster.wait_state(lambda s: bool(s.in_flight), WAIT_S)

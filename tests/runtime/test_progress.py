@@ -7,12 +7,16 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from trainmover.runtime.progress import Entry, ProgressBoard, StallWatch, judge
+from trainmover.runtime.progress import Entry, Progress, ProgressBoard, StallWatch, judge
 from trainmover.runtime.steptime import WAITS
 
 
-def _entry(machine: str, voted: int, waiting: bool, n: int, epoch: str = "e1") -> Entry:
-    return Entry(machine=machine, epoch=epoch, step=8, voted=voted, waiting=waiting, counter=n)
+def _entry(
+    machine: str, voted: int, waiting: bool, n: int, epoch: str = "e1", done: int = 3
+) -> Entry:
+    return Entry(
+        machine=machine, epoch=epoch, step=8, voted=voted, waiting=waiting, counter=n, done=done
+    )
 
 
 def test_judge_names_frozen_and_computing_ranks_not_their_victims() -> None:
@@ -24,6 +28,7 @@ def test_judge_names_frozen_and_computing_ranks_not_their_victims() -> None:
         4: _entry("m2", 7, False, 3),  # spinning outside any collective
         5: _entry("m2", 7, True, 3),  # waiting in a collective: a victim
         6: None,
+        7: _entry("m3", 7, False, 1, done=0),  # its first step of the epoch: not judged
     }
     second = {
         **first,
@@ -31,10 +36,11 @@ def test_judge_names_frozen_and_computing_ranks_not_their_victims() -> None:
         1: _entry("m0", 8, True, 12),
         4: _entry("m2", 7, False, 5),
         5: _entry("m2", 7, True, 5),
+        7: _entry("m3", 7, False, 2, done=0),
     }
     culprits, doing = judge("e1", 8, first, second)
     assert culprits == {"m1": [2, 3], "m2": [4]}
-    assert doing == {2: "frozen", 3: "frozen", 4: "computing", 5: "waiting"}
+    assert doing == {2: "frozen", 3: "frozen", 4: "computing", 5: "waiting", 7: "starting"}
     # A vote of an earlier epoch is not a vote of this one.
     stale = {0: _entry("m0", 9, True, 1, epoch="e0")}
     assert judge("e1", 8, stale, stale)[0] == {"m0": [0]}
@@ -44,14 +50,20 @@ def test_judge_names_frozen_and_computing_ranks_not_their_victims() -> None:
 
 
 def test_the_threshold_follows_the_median_step_above_a_floor() -> None:
-    watch = StallWatch(board=None, report=lambda _s: None, floor_s=2.0, factor=5.0)  # type: ignore[arg-type]
+    class Board:
+        progress = Progress()
+
+    judged: list[object] = []
+    watch = StallWatch(board=Board(), report=judged.append, floor_s=2.0, factor=5.0)  # type: ignore[arg-type]
     assert watch.threshold_s() == 2.0
+    watch.stalled("e0", 1, 100.0)  # no step timed yet: nothing to judge against
     for seconds in (0.1, 0.1, 0.2):
         watch.step_done(seconds)
-    assert watch.threshold_s() == 2.0
+    assert watch.threshold_s() == 2.0 and watch.board.progress.done == 3
     for seconds in (1.0, 1.0, 1.0, 1.0):
         watch.step_done(seconds)
     assert watch.threshold_s() == 5.0
+    assert judged == []
 
 
 def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
@@ -62,6 +74,7 @@ def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
         for board in boards:
             board.progress.epoch, board.progress.step = "e0", 5
         boards[0].progress.voted = 5
+        boards[2].progress.done = 2  # past its first step: judged as computing
         boards[1].close()  # a stopped process: its entry stays as it was
         stall = None
         while stall is None:  # entries appear within one interval
