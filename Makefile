@@ -4,9 +4,13 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo bench lint schemas clean
+.PHONY: install system-deps test demo bench lint schemas clean
 
-install: $(STAMP)
+# The Python environment and the Debian programs the tests run (tools/system-deps.sh).
+install: $(STAMP) system-deps
+
+system-deps:
+	@tools/system-deps.sh
 
 # torch first: the CPU wheel 2.13.0 when none is present (a newer torch would be a
 # multi-GB CUDA download); a torch already in the environment is kept.
@@ -21,21 +25,21 @@ $(STAMP): pyproject.toml setup.py
 test: install
 	$(PY) -m pytest -q
 
-demo: install
+demo: $(STAMP)
 	$(VENV)/bin/trainmover demo --json demo.json
 
 # All three benchmarks at their defaults (tens of minutes on 2 shared cores); each one
 # alone: trainmover bench downtime|rebalance|scale --json FILE (docs/benchmarks.md).
-bench: install
+bench: $(STAMP)
 	$(VENV)/bin/trainmover bench
 
-lint: install
-	$(VENV)/bin/ruff check shared services tests tools
-	$(VENV)/bin/ruff format --check shared services tests tools
+lint: $(STAMP)
+	$(VENV)/bin/ruff check shared services tests tools examples
+	$(VENV)/bin/ruff format --check shared services tests tools examples
 	$(PY) tools/mypy_check.py
 	$(PY) -m trainmover.schemas --check
 
-schemas: install
+schemas: $(STAMP)
 	$(PY) -m trainmover.schemas
 
 clean:

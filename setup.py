@@ -2,13 +2,18 @@
 
 shared/   -> trainmover            (schemas, bus helpers, runtime library, client, CLI)
 services/ -> trainmover.services   (health_monitor, planner, executor, sidecar)
+examples/ -> trainmover.examples   (training scripts run under TrainMover, each one tested)
 
 Everything else lives in pyproject.toml.
 """
 
 from setuptools import find_packages, setup
 
-PACKAGE_DIRS = {"trainmover": "shared", "trainmover.services": "services"}
+PACKAGE_DIRS = {
+    "trainmover": "shared",
+    "trainmover.services": "services",
+    "trainmover.examples": "examples",
+}
 
 packages = [
     f"{name}.{sub}" if sub else name
@@ -16,4 +21,4 @@ packages = [
     for sub in ["", *find_packages(folder)]
 ]
 
-setup(packages=packages, package_dir=PACKAGE_DIRS, package_data={"trainmover": ["py.typed"]})
+setup(packages=packages, package_dir=PACKAGE_DIRS, package_data={"trainmover": ["py.typed", "statuspage.html"]})

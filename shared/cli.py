@@ -143,18 +143,40 @@ async def _up(args: argparse.Namespace) -> int:
         auth=args.auth,
         auth_machines=machines,
         nats_cluster=args.nats_cluster,
+        rules=args.rules,
     ) as stack:
         print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
         if stack.operator_creds is not None:
             print(f"export TRAINMOVER_NATS_CREDS={stack.operator_creds}", flush=True)
+        page = await _status_page(stack, args.status_port)
         print(
             f"trainmover up: running {', '.join(stack.running) or 'bus only'}; "
             "Ctrl-C stops everything",
             file=sys.stderr,
             flush=True,
         )
-        await stack.wait(stop)
+        try:
+            await stack.wait(stop)
+        finally:
+            if page is not None:
+                await page.stop()
+                await page.view.nc.close()
     return 0
+
+
+async def _status_page(stack: Any, port: int) -> Any:
+    """Serves the job's live status page (trainmover.statuspage) and prints its URL."""
+    if stack.config is None:
+        return None
+    from trainmover import bus
+    from trainmover.statuspage import StatusPage
+
+    auth = credentials.from_file(stack.operator_creds) if stack.operator_creds else None
+    nc = await bus.connect(stack.url, "status-page", auth=auth)
+    page = StatusPage(nc, stack.config.job, stack.config.train.steps)
+    url = await page.start("127.0.0.1", port)
+    print(f"status page: {url}", flush=True)
+    return page
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -249,6 +271,11 @@ def _parser() -> argparse.ArgumentParser:
         help="generate per-component credentials and run the bus with least-privilege users",
     )
     u.add_argument(
+        "--rules",
+        metavar="FILE",
+        help="the health-monitor's alert rules (default: deploy/health-monitor-rules.yaml)",
+    )
+    u.add_argument(
         "--auth-machines",
         metavar="M1,M2",
         help="machines that get sidecar credentials (default: the job config's machines and standbys)",
@@ -261,6 +288,10 @@ def _parser() -> argparse.ArgumentParser:
         help="run the bus as a JetStream cluster of N embedded servers on loopback",
     )
 
+    u.add_argument(
+        "--status-port", type=int, default=0, help="port of the status page (default: a free one)"
+    )
+
     a = sub.add_parser("auth", help="generate credentials and nats-server configs")
     a.add_argument("args", nargs=argparse.REMAINDER, help="see `trainmover auth --help`")
 
@@ -270,8 +301,14 @@ def _parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="the main job on the embedded default, with migrations")
     dm.add_argument("--json", metavar="FILE", help="write the report as JSON")
-    dm.add_argument("--steps", type=int, default=400, help="training steps of the job")
+    dm.add_argument(
+        "--steps", type=int, help="training steps of the job (default 600; --example ddp 3000)"
+    )
     dm.add_argument("--workdir", help="where runs and logs go (default: temporary)")
+    dm.add_argument("--example", help="run examples/NAME instead of the reference job (ddp)")
+    dm.add_argument(
+        "--verbose", action="store_true", help="stream the services' logs instead of files"
+    )
 
     b = sub.add_parser("bench", help="benchmarks: downtime, rebalance, scale (docs/benchmarks.md)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="benchmark and its options")
@@ -304,6 +341,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+QUIET_COMMANDS = frozenset({"drain", "fail", "status", "watch", "demo"})
+"""Commands that log at warning unless told otherwise."""
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = {
     "drain": _drain,
     "fail": _fail,
@@ -316,7 +356,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logs.configure(args.log_format, args.log_level)
+    # Commands a person runs at a terminal show their answer, not the bus client's info
+    # lines; --log-level or $TRAINMOVER_LOG_LEVEL still win.
+    quiet = args.command in QUIET_COMMANDS and not os.environ.get(logs.LEVEL_ENV)
+    logs.configure(args.log_format, args.log_level or ("warning" if quiet else None))
     try:
         if args.command == "version":
             print(f"trainmover {__version__}")
@@ -337,9 +380,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("demo", "chaos"):
             _terminate_as_interrupt()
         if args.command == "demo":
-            from trainmover import demo
+            from trainmover import demo, demo_examples
 
-            return demo.main(args.json, args.steps, args.workdir)
+            try:
+                demo_examples.pick(args.example)
+            except ValueError as err:
+                raise CliError(str(err)) from None
+            return demo.main(args.json, args.steps, args.workdir, args.example, args.verbose)
         if args.command == "chaos":
             return _chaos(args)
         if args.command == "service":

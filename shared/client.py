@@ -187,7 +187,10 @@ class TrainMoverClient:
         if info.state.messages == 0:
             return []
         sub = await self._js.subscribe(
-            subjects.progress, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+            subjects.progress,
+            stream=subjects.stream("PROGRESS"),  # clients may not look streams up
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
         )
         try:
             while True:

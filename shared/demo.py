@@ -13,11 +13,17 @@ warm again. At the end the demo prints a table of the migrations (event, leaver 
 joiner, downtime and its phases, groups rebuilt of the total), runs the same job and
 seed without interruptions, and says whether the final parameters and optimizer state
 are bit-identical. `--json FILE` writes all of it.
+
+While it runs it shows a live display (trainmover.demoview): steps and step rate,
+machines and roles, each migration's phases as they happen. The services' logs go to
+files in the run directory (`<workdir>/logs/`, printed at the start); `verbose` streams
+them to the terminal instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
@@ -26,14 +32,25 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainmover import bus
-from trainmover.localcluster import LocalCluster
+from trainmover import bus, demo_examples, logs
+from trainmover.demo_examples import REFERENCE, DemoJob
+from trainmover.demoview import DemoDisplay
+from trainmover.jobview import JobView
+from trainmover.localcluster import FAST_SIGNALS, LocalCluster
 from trainmover.messages import Command, MigrationProgress, StragglerEvent
 from trainmover.runtime.compare import state_files
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.driver import LocalJob
 
 WAIT_S = 600.0
+
+
+class DemoFailed(RuntimeError):
+    """A scenario could not be played (one line for the person running the demo)."""
+
+
+STRAGGLER_STEPS = 40
+"""Steps a slowed machine needs to be flagged (the detector's window) and moved."""
 
 
 @dataclass
@@ -61,11 +78,7 @@ class DemoReport:
 
 
 def demo_config(steps: int) -> JobConfig:
-    return JobConfig(job="demo").with_updates(
-        train={"steps": steps, "dump_steps": [steps]},
-        runtime={"group_timeout_s": 60},
-        cluster={"standbys": ["s0", "s1"], "maintenance_s": 2.0},
-    )
+    return REFERENCE.config(steps)
 
 
 def say(text: str) -> None:
@@ -129,6 +142,12 @@ async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -
         lambda s: any(m.status == "standby" and m.warm_role_types for m in s.machines.values()),
         WAIT_S,
     )
+    left = cluster.config.train.steps - max(cluster.steps.values(), default=0)
+    if left < STRAGGLER_STEPS:
+        raise DemoFailed(
+            f"only {left} training steps left once a standby was warm: too few to detect a "
+            "straggler; run the demo with more --steps"
+        )
     say(f"slowing {machine} by {extra_s} s of compute per step (a straggler)")
     async with cluster.client.watch(cluster.job) as items:
         reply = await bus.request(
@@ -136,10 +155,14 @@ async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -
             Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": extra_s}),
         )
         if not reply.ok:
-            raise RuntimeError(f"could not slow {machine}: {reply.error}")
+            raise DemoFailed(f"could not slow {machine}: {reply.error}")
         async for item in items:
             if isinstance(item, StragglerEvent) and item.machine == machine:
-                say(f"  the straggler detector flagged {machine}: {item.evidence}")
+                ev = item.evidence
+                say(
+                    f"  the straggler detector flagged {machine}: median step "
+                    f"{ev.machine_median_s:.3f} s vs the job's {ev.job_median_s:.3f} s"
+                )
                 return await _migration(cluster, "straggler", item.event_id)
     raise RuntimeError("the event stream ended")
 
@@ -147,31 +170,43 @@ async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -
 Scenario = Callable[[LocalCluster], Awaitable[MigrationRow]]
 
 
-async def run(steps: int, workdir: Path, scenarios: list[Scenario]) -> DemoReport:
-    config = demo_config(steps)
+async def run(
+    steps: int,
+    workdir: Path,
+    scenarios: list[Scenario],
+    job: DemoJob = REFERENCE,
+    verbose: bool = False,
+) -> DemoReport:
+    config = job.config(steps)
     report = DemoReport(job=config.job, steps=steps)
     t0 = time.monotonic()
-    say(
-        f"starting the local cluster: TP2 x PP2 x DP2 on 4 machines + 2 standbys "
-        f"(workdir {workdir})"
-    )
-    async with LocalCluster(config, workdir / "cluster") as cluster:
-        await cluster.wait_step("m0", 10, WAIT_S)
-        say("training (step 10 reached)")
-        follower = asyncio.create_task(_follow(cluster))
-        try:
-            for scenario in scenarios:
-                report.migrations.append(await scenario(cluster))
-            say("waiting for training to finish")
-            await cluster.wait_finished(WAIT_S)
-        finally:
-            follower.cancel()
+    say(f"starting the local cluster: {job.description} (workdir {workdir})")
+    log_dir = None if verbose else workdir / "logs"
+    if log_dir is not None:
+        say(f"services' logs: {log_dir}/ (worker logs: {workdir}/cluster/run/*/logs/)")
+    service_args = {**FAST_SIGNALS, "sidecar": FAST_SIGNALS["sidecar"] + job.sidecar_args()}
+    async with LocalCluster(config, workdir / "cluster", service_args, log_dir=log_dir) as cluster:
+        async with JobView(cluster.nc, cluster.job, total_steps=steps) as view:
+            await cluster.wait_step("m0", 10, WAIT_S)
+            say("training (step 10 reached)")
+            async with contextlib.AsyncExitStack() as shown:
+                if verbose:
+                    follower = asyncio.create_task(_follow(cluster))
+                    shown.callback(follower.cancel)
+                else:
+                    await shown.enter_async_context(DemoDisplay(view))
+                for scenario in scenarios:
+                    report.migrations.append(await scenario(cluster))
+                say("waiting for training to finish")
+                await cluster.wait_finished(WAIT_S)
     # The cluster is down first: its standbys (a drained machine back from maintenance
     # warms up) would only slow the comparison run on a small host.
     say("running the same job and seed without interruptions, for comparison")
     reference_dir = workdir / "reference"
-    with LocalJob.launch(config, reference_dir, standbys=0, timeout_s=WAIT_S) as job:
-        job.finish(WAIT_S)
+    with LocalJob.launch(
+        config, reference_dir, standbys=0, timeout_s=WAIT_S, entry=job.entry
+    ) as uninterrupted:
+        uninterrupted.finish(WAIT_S)
     report.mismatches = cluster.mismatches(state_files(reference_dir, steps), steps)
     report.bitexact = not report.mismatches
     report.wall_s = time.monotonic() - t0
@@ -196,15 +231,27 @@ def table(report: DemoReport) -> str:
     return "\n".join(lines)
 
 
-def main(json_path: str | None, steps: int, workdir: str | None) -> int:
+def main(
+    json_path: str | None,
+    steps: int | None,
+    workdir: str | None,
+    example: str | None = None,
+    verbose: bool = False,
+) -> int:
     """Runs the demo; exit 0 when every migration is done and the result bit-identical."""
+    job = demo_examples.pick(example)
+    steps = steps or job.default_steps
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="trainmover-demo-"))
-    scenarios: list[Scenario] = [
-        lambda c: drain(c, "m1"),
-        lambda c: kill(c, "m2"),
-        lambda c: slow_down(c, "m3"),
-    ]
-    report = asyncio.run(run(steps, root, scenarios))
+    if not verbose:
+        # This process's own logs (the stack, the bus client) go with the services'.
+        (root / "logs").mkdir(parents=True, exist_ok=True)
+        logs.configure("json", stream=open(root / "logs" / "demo.log", "a"))  # noqa: SIM115
+    scenarios = demo_examples.scenarios(job, drain, kill, slow_down)
+    try:
+        report = asyncio.run(run(steps, root, scenarios, job, verbose))
+    except DemoFailed as err:
+        print(f"trainmover demo: error: {err} (logs: {root / 'logs'})", file=sys.stderr)
+        return 1
     print()
     print(table(report))
     for line in report.mismatches[:10]:

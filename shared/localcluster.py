@@ -23,6 +23,8 @@ from trainmover.client import TrainMoverClient
 from trainmover.messages import ClusterState, Heartbeat, StepStats, decode
 from trainmover.runtime.compare import mismatches, state_files
 from trainmover.runtime.config import JobConfig, save_config
+from trainmover.security.credentials import NatsAuth, from_file
+from trainmover.security.policy import Component
 from trainmover.stack import Stack
 from trainmover.subjects import STATE_KEY, JobSubjects
 
@@ -46,6 +48,9 @@ class LocalCluster:
         workdir: Path,
         service_args: dict[str, list[str]] | None = None,
         nats_cluster: int = 1,
+        log_dir: Path | None = None,
+        auth: bool = False,
+        bcrypt_cost: int | None = None,
     ) -> None:
         self.config = config
         self.job = config.job
@@ -57,6 +62,9 @@ class LocalCluster:
             run_dir=workdir / "run",
             service_args=service_args or FAST_SIGNALS,
             nats_cluster=nats_cluster,
+            log_dir=log_dir,
+            auth=auth,
+            bcrypt_cost=bcrypt_cost,
         )
         self.steps: dict[str, int] = {}
         self._stepped = asyncio.Condition()
@@ -76,17 +84,33 @@ class LocalCluster:
     async def __aenter__(self) -> LocalCluster:
         await self.stack.__aenter__()
         try:
-            self._nc = await bus.connect(self.stack.url, "local-cluster")
+            # Under auth the observer (step statistics, fault injection) is the operator
+            # (admin); the client speaks as the job's client, with only its rights.
+            admin = self._creds(Component("admin"))
+            self._nc = await bus.connect(self.stack.url, "local-cluster", auth=admin)
             await self._nc.subscribe(JobSubjects(self.job).all_stats, cb=self._on_stats)
-            self._client = TrainMoverClient(self._nc)
+            if self.stack.auth:
+                client = self._creds(Component("client", (self.job,)))
+                self._client = await TrainMoverClient.connect(self.stack.url, auth=client)
+            else:
+                self._client = TrainMoverClient(self._nc)
         except BaseException:
             await self.stack.__aexit__(None, None, None)
             raise
         return self
 
+    def _creds(self, component: Component) -> NatsAuth | None:
+        """`component`'s credentials under auth; None (the default) without."""
+        if not self.stack.auth:
+            return None
+        return from_file(self.stack.creds_file(component))
+
     async def __aexit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self.stack.auth and self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.close()
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.close()

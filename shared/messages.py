@@ -71,6 +71,7 @@ EventSource = Literal[
     "worker_exit",
     "collective_error",
     "straggler_detector",
+    "no_progress",
     "alertmanager",
     "planner",
     "policy",
@@ -157,6 +158,11 @@ class Heartbeat(Message):
     status: HeartbeatStatus
     workers: list[WorkerStatus] = Field(default_factory=list, max_length=1024)
     warm_role_types: list[str] = Field(default_factory=list, max_length=16)
+    instance: str = Field(
+        default="",
+        max_length=64,
+        description="the incarnation of the machine's workers: new at every (re)launch",
+    )
     ts: float = Field(default_factory=now)
 
 
@@ -182,6 +188,23 @@ class CollectiveErrorReport(Message):
     peer: Name
     group: str = Field(max_length=128)
     error: str = Field(max_length=4096)
+    ts: float = Field(default_factory=now)
+
+
+class StallReport(Message):
+    """A rank of `machine` voted for `step` and waited past the stall threshold; the
+    progress board in the store names the machines whose ranks hold the step back
+    (`culprits`: machine -> its ranks that did not reach the vote)."""
+
+    kind: Literal["stall"] = "stall"
+    job: Name
+    machine: Name
+    epoch: str = Field(max_length=128)
+    step: int = Field(ge=0)
+    culprits: dict[Name, list[Annotated[int, Field(ge=0)]]] = Field(min_length=1, max_length=64)
+    reason: str = Field(max_length=4096)
+    waited_s: float = Field(ge=0)
+    median_step_s: float = Field(ge=0)
     ts: float = Field(default_factory=now)
 
 
@@ -227,6 +250,7 @@ CommandOp = Literal[
     "status",
     "steps",
     "slow",
+    "fence",
 ]
 
 
@@ -318,6 +342,10 @@ class MachineState(Message):
     status: MachineStatus
     cell: MachineRole | None = None
     warm_role_types: list[str] = Field(default_factory=list)
+    instance: str | None = Field(
+        default=None,
+        description="the incarnation of its workers the planner last admitted or saw active",
+    )
 
 
 class QueuedEvent(Message):
@@ -427,6 +455,7 @@ ALL_MESSAGES: dict[str, Any] = {
     "heartbeat": Heartbeat,
     "step_stats": StepStats,
     "collective_error_report": CollectiveErrorReport,
+    "stall_report": StallReport,
     "plan": Plan,
     "command": Command,
     "command_reply": CommandReply,

@@ -73,6 +73,13 @@ RENDEZVOUS_KEYS: Final = "trainmover_rendezvous_keys"
 
 RENDEZVOUS: Final = MappingProxyType({RENDEZVOUS_KEYS: ()})
 
+# --- sidecar (services/sidecar/service.py), one per machine ----------------------------
+SIDECAR_COMMANDS: Final = "trainmover_sidecar_commands_total"
+SIDECAR_STEP: Final = "trainmover_sidecar_step"
+"""The machine's last training step (the dashboard's step rate)."""
+
+SIDECAR: Final = MappingProxyType({SIDECAR_COMMANDS: ("op", "outcome"), SIDECAR_STEP: ()})
+
 MIGRATION_OUTCOMES: Final = tuple(sorted(TERMINAL_STATES))
 """Values of `outcome` on MIGRATIONS: the terminal states of a migration."""
 FAILED_OUTCOMES: Final = ("aborted", "failed")
@@ -100,9 +107,15 @@ MIGRATION_DOWNTIME_BUCKETS: Final = (
 ~16 s (planned) and ~21 s (unplanned) at 1,024 GPUs; SLOW_MIGRATION_S must be one of
 them, so the slow-migration alert can count the migrations above it exactly."""
 
-ALL: Final = MappingProxyType({**HEALTH, **PLANNER, **EXECUTOR, **RENDEZVOUS})
+ALL: Final = MappingProxyType({**HEALTH, **PLANNER, **EXECUTOR, **RENDEZVOUS, **SIDECAR})
 """Every metric name -> its labels."""
 
 BY_SERVICE: Final = MappingProxyType(
-    {"health-monitor": HEALTH, "planner": PLANNER, "executor": EXECUTOR, "rendezvous": RENDEZVOUS}
+    {
+        "health-monitor": HEALTH,
+        "planner": PLANNER,
+        "executor": EXECUTOR,
+        "rendezvous": RENDEZVOUS,
+        "sidecar": SIDECAR,
+    }
 )

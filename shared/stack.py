@@ -43,6 +43,14 @@ log = get_logger("stack")
 # Start order: consumers before producers, so nothing published at start is missed.
 STACK_SERVICES = ("planner", "executor", "health-monitor")
 
+SHIPPED_RULES = Path(__file__).resolve().parents[1] / "deploy" / "health-monitor-rules.yaml"
+"""The alert rules the health-monitor of `trainmover up` maps Alertmanager alerts with."""
+
+
+def default_rules() -> str | None:
+    """The shipped rules file, where this install has it (a checkout of the project)."""
+    return str(SHIPPED_RULES) if SHIPPED_RULES.is_file() else None
+
 
 def available_services() -> list[str]:
     """The services of STACK_SERVICES whose package provides `main` in this build."""
@@ -75,6 +83,8 @@ class Stack:
         auth_machines: list[str] | None = None,
         bcrypt_cost: int | None = None,
         nats_cluster: int = 1,
+        log_dir: str | Path | None = None,
+        rules: str | None = None,
     ) -> None:
         self._given_url = resolve_url(nats_url)
         self._store_dir = store_dir
@@ -83,6 +93,8 @@ class Stack:
         self._services = available_services() if services is None else services
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="trainmover-run-"))
         self._service_args = service_args or {}
+        #: Where each process's output goes (<name>.log); None: this process's terminal.
+        self.log_dir = Path(log_dir) if log_dir else None
         self._fixed_ports = fixed_ports
         self._cluster = cluster
         self._nats: EmbeddedNats | None = None
@@ -97,6 +109,7 @@ class Stack:
         self.auth = auth
         self._auth_machines = auth_machines
         self._bcrypt_cost = bcrypt_cost
+        self.rules = str(Path(rules).resolve()) if rules else default_rules()
         self._auth_tmp: str | None = None
         self.auth_dir: Path | None = None
         self.jobs: dict[str, list[str]] = {}
@@ -199,6 +212,8 @@ class Stack:
             # Machines starting together on a small host take seconds before their first
             # heartbeat (each imports torch); do not take that for a failure.
             args += ["--startup-grace", "60"]
+            if self.rules:
+                args += ["--rules", self.rules]
         return args + list(extra) + self._service_args.get(name, [])
 
     def _service_env(self, name: str, machine: str | None = None) -> dict[str, str]:
@@ -212,17 +227,27 @@ class Stack:
         return env
 
     async def _exec(
-        self, args: list[str], env: dict[str, str], new_group: bool = False
+        self, args: list[str], env: dict[str, str], log_name: str, new_group: bool = False
     ) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            start_new_session=new_group,
-            env=env,
-        )
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{log_name}.log", "ab")  # noqa: ASYNC230, SIM115
+        try:
+            return await asyncio.create_subprocess_exec(
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT if out else None,
+                start_new_session=new_group,
+                env=env,
+            )
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own descriptor
 
     async def _spawn(self, name: str) -> None:
-        self._procs[name] = await self._exec(self._args(name), self._service_env(name))
+        self._procs[name] = await self._exec(self._args(name), self._service_env(name), name)
         log.info("service_started", service=name, pid=self._procs[name].pid)
 
     async def restart_service(self, name: str, kill: bool = True) -> None:
@@ -274,7 +299,7 @@ class Stack:
             str(self.run_dir / machine),
         )
         env = self._service_env("sidecar", machine)
-        self.machines[machine] = await self._exec(args, env, new_group=True)
+        self.machines[machine] = await self._exec(args, env, f"sidecar-{machine}", new_group=True)
         log.info("machine_started", machine=machine, pid=self.machines[machine].pid)
 
     def kill_machine(self, machine: str) -> None:

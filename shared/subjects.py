@@ -11,6 +11,7 @@ jobs and a producer in another language can find the layout in one place
     tm.<job>.heartbeat.<machine>   sidecar heartbeats (plain NATS)
     tm.<job>.stats.<machine>       per-machine step statistics (plain NATS)
     tm.<job>.collerr.<machine>     a stayer's collective error naming a peer (plain NATS)
+    tm.<job>.stall.<machine>       a voter names the ranks holding a step back (plain NATS)
     tm.<job>.cmd.<machine>         commands to a sidecar (request/reply)
     bucket TM_<job>                cluster state (JetStream key-value)
     bucket TM_<job>_HEALTH         the health-monitor's open incidents
@@ -99,6 +100,13 @@ class JobSubjects:
     @property
     def collective_errors(self) -> str:
         return f"{self.root}.collerr.*"
+
+    def stall(self, machine: str) -> str:
+        return f"{self.root}.stall.{check_name('machine', machine)}"
+
+    @property
+    def stalls(self) -> str:
+        return f"{self.root}.stall.*"
 
     def command(self, machine: str) -> str:
         return f"{self.root}.cmd.{check_name('machine', machine)}"

@@ -103,6 +103,10 @@ async def test_drain_status_and_watch(nc, job, nats_url):
     assert event["deadline_s"] == 60
     status = run_cli("status", job, url=nats_url)
     assert status.returncode == 0 and "TP2 x PP2 x DP2" in status.stdout
+    # Commands a person runs log at warning by default: no bus client info lines.
+    assert "nats_connected" not in drained.stderr + watched.stderr + status.stderr
+    verbose = run_cli("--log-level", "info", "status", job, url=nats_url)
+    assert "nats_connected" in verbose.stderr
     assert "s0" in status.stdout and "standby" in status.stdout
     as_json = json.loads(run_cli("status", job, "--json", url=nats_url).stdout)
     assert sorted(as_json["state"]["machines"]) == ["m0", "m1", "m2", "m3", "s0"]

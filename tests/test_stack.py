@@ -39,3 +39,21 @@ async def test_the_health_monitor_stops_before_the_machines_and_they_before_the_
     assert sorted(stopped[1:3]) == ["m0", "m1"]
     assert sorted(stopped[3:]) == ["executor", "planner"]
     assert not stack.machines and not stack._procs
+
+
+def test_the_health_monitor_gets_the_shipped_alert_rules_unless_told_otherwise(
+    tmp_path: Path,
+) -> None:
+    from trainmover.services.health_monitor.rules import load_rules
+    from trainmover.stack import SHIPPED_RULES
+
+    def rules_of(stack: Stack) -> str:
+        args = stack._args("health-monitor")
+        return args[args.index("--rules") + 1]
+
+    shipped = rules_of(Stack(run_dir=tmp_path / "a"))
+    assert shipped == str(SHIPPED_RULES)
+    assert load_rules(shipped).rules  # a real rule set, not an empty one
+    mine = tmp_path / "rules.yaml"
+    mine.write_text("rules: []\n")
+    assert rules_of(Stack(run_dir=tmp_path / "b", rules=str(mine))) == str(mine)

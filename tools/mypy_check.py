@@ -1,4 +1,4 @@
-"""Runs mypy on the `trainmover` package as it is installed (shared/ + services/).
+"""Runs mypy on the `trainmover` package as it is installed (shared/ + services/ + examples/).
 
 The repository's folders are mapped onto the import package by setup.py, which mypy
 cannot follow through an editable install; so we lay out a tree of links with the
@@ -24,6 +24,7 @@ def link_tree() -> Path:
         if entry.name != "__pycache__":
             (package / entry.name).symlink_to(entry)
     (package / "services").symlink_to(ROOT / "services")
+    (package / "examples").symlink_to(ROOT / "examples")
     return TREE
 
 

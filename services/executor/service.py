@@ -6,6 +6,9 @@ restarted executor resumes every unfinished record where it stopped, and a plan
 delivered again after its record was stored (its ack was lost) runs from that record
 unless it is running or over.
 
+The executor also fences: a machine the planner declared failed, or a leaver of a
+recovery, is told to kill its workers (`fencing`).
+
 The executor follows the planner's cluster state: a plan the planner withdrew (it was in
 the in-flight set and is no longer, unfinished: a recovery superseded it) is not started,
 or is stopped where it is (record step `withdrawn`), and the machines it left half way
@@ -38,6 +41,7 @@ from trainmover.messages import (
     decode,
 )
 from trainmover.metrics import Registry
+from trainmover.services.executor.fencing import Fence, to_fence
 from trainmover.services.executor.migration import Migration, MigrationRecord
 from trainmover.subjects import STATE_KEY, JobSubjects
 from trainmover.tasks import cancel_and_wait
@@ -71,6 +75,7 @@ class ExecutorService:
         # Plan ids ever seen in flight, and the in-flight set of the latest state.
         self._seen: set[str] = set()
         self._in_flight: set[str] | None = None
+        self._last_state: ClusterState | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics = metrics or Registry()
         self._m_migrations = self.metrics.counter(
@@ -211,11 +216,11 @@ class ExecutorService:
         )
         final = await migration.run()
         outcome = "done" if final.step == "done" else "failed"
-        self._m_migrations.inc(kind=final.plan.migration, outcome=outcome)
+        self._m_migrations.labels(kind=final.plan.migration, outcome=outcome).inc()
         if outcome == "done":
             self._m_downtime.observe(final.phases.get("downtime", 0.0))
             for phase, seconds in final.phases.items():
-                self._m_phase.set(seconds, phase=phase)
+                self._m_phase.labels(phase=phase).set(seconds)
 
     # --- plans the planner withdrew ----------------------------------------------------
 
@@ -239,6 +244,9 @@ class ExecutorService:
                 continue
             self._in_flight = set(state.in_flight)
             self._seen |= self._in_flight
+            for fence in to_fence(self._last_state, state):
+                self._tasks.append(asyncio.create_task(self._fence(fence)))
+            self._last_state = state
             for plan_id in list(self._running):
                 record = self._records[plan_id]
                 if plan_id in self._seen and _withdrawn(record, self._in_flight):
@@ -293,6 +301,30 @@ class ExecutorService:
         except Exception as err:  # the machine may be dead: nothing to undo there
             error = f"{type(err).__name__}: {err}"
         log.info("abort_sent", job=self.job, plan_id=plan.plan_id, machine=machine, error=error)
+
+    async def _fence(self, fence: Fence) -> None:
+        """Tells the machine's sidecar to kill its workers (`fencing`). A dead machine does
+        not answer: the store refuses its workers whatever they do."""
+        command = Command(
+            command_id=fence.command_id,
+            job=self.job,
+            machine=fence.machine,
+            op="fence",
+            args={"instance": fence.instance},
+        )
+        try:
+            reply = await bus.request(self._nc, command, timeout=5.0, deadline_s=30.0)
+            result, error = reply.result, (reply.error if not reply.ok else None)
+        except Exception as err:
+            result, error = {}, f"{type(err).__name__}: {err}"
+        log.warning(
+            "machine_fenced" if result.get("fenced") else "fence_not_applied",
+            job=self.job,
+            machine=fence.machine,
+            instance=fence.instance,
+            result=result,
+            error=error,
+        )
 
     async def _survivors(self) -> list[str]:
         """The machines that keep their roles: active in the planner's cluster state."""

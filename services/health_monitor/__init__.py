@@ -16,7 +16,7 @@ Modules, one job each:
     store         open incidents persisted in the job's health bucket
     emitter       one event per incident, published durably
     webhook       POST /webhook
-    httpserver    a small HTTP server with flood limits
+    httpserver    the HTTP endpoints (aiohttp) with flood and slow-client limits
     metrics       the service's Prometheus metrics
     service       wiring of all of the above
     bench         detection-latency benchmark (a command, not a test)

@@ -129,7 +129,9 @@ class Emitter:
         now = self._clock()
         existing = self.table.active(key, now)
         if existing is not None:
-            self._metrics.duplicates.inc(job=event.job, kind=event.kind, source=event.source)
+            self._metrics.duplicates.labels(
+                job=event.job, kind=event.kind, source=event.source
+            ).inc()
             log.debug(
                 "event_duplicate",
                 job=event.job,
@@ -244,11 +246,11 @@ class Emitter:
 
     def _count_published(self, event: MonitorEvent, item: _Emit) -> float | None:
         """Counts a published event; returns its detection latency, when it has one."""
-        self._metrics.events.inc(job=event.job, kind=event.kind, source=event.source)
+        self._metrics.events.labels(job=event.job, kind=event.kind, source=event.source).inc()
         if item.alive_ts is None:
             return None
         latency = max(self._clock() - item.alive_ts, 0.0)
-        self._metrics.detection_latency.observe(latency, source=event.source)
+        self._metrics.detection_latency.labels(source=event.source).observe(latency)
         return latency
 
     async def _publish(self, item: _Emit) -> None:

@@ -14,12 +14,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 
 from trainmover import bus
-from trainmover.httpserver import HttpServer, Request, Response
+from trainmover.httpserver import HttpServer, Limits, json_response, metrics_response
 from trainmover.logs import get_logger
 from trainmover.messages import (
     ClusterState,
@@ -27,19 +28,24 @@ from trainmover.messages import (
     FailureEvent,
     Heartbeat,
     MessageError,
+    StallReport,
     StepStats,
     StragglerEvent,
     StragglerEvidence,
     decode,
     new_id,
 )
-from trainmover.metrics import CONTENT_TYPE
 from trainmover.services.health_monitor.config import Settings
 from trainmover.services.health_monitor.dedup import IncidentTable, SeenWindow, TokenBucket
 from trainmover.services.health_monitor.emitter import Emitter
 from trainmover.services.health_monitor.events import event_id
 from trainmover.services.health_monitor.heartbeats import HeartbeatTracker, Lapse, abnormal_exits
 from trainmover.services.health_monitor.metrics import HealthMetrics
+from trainmover.services.health_monitor.plausible import (
+    StepBounds,
+    collective_error_problem,
+    stall_problem,
+)
 from trainmover.services.health_monitor.reexamine import reason_to_ask_again
 from trainmover.services.health_monitor.roster import Roster, RosterChange
 from trainmover.services.health_monitor.rules import load_rules
@@ -73,6 +79,7 @@ class HealthMonitor:
         self.stragglers = StragglerDetector(
             settings.straggler_factor, settings.straggler_steps, settings.straggler_window
         )
+        self.steps = StepBounds()
         self.rules = load_rules(settings.rules)
         self._given_nc = nc
         self._nc: NatsClient | None = None
@@ -109,12 +116,15 @@ class HealthMonitor:
         self.emitter.start()
         for job in s.jobs:
             subjects = JobSubjects(job)
+            # bus.subscribe: a subscription the bus refuses ends the start with its subject.
+            nc = self._nc
             self._subs += [
-                await self._nc.subscribe(subjects.heartbeats, cb=self._guard(self._on_heartbeat)),
-                await self._nc.subscribe(subjects.all_stats, cb=self._guard(self._on_stats)),
-                await self._nc.subscribe(
-                    subjects.collective_errors, cb=self._guard(self._on_collective_error)
+                await bus.subscribe(nc, subjects.heartbeats, cb=self._guard(self._on_heartbeat)),
+                await bus.subscribe(nc, subjects.all_stats, cb=self._guard(self._on_stats)),
+                await bus.subscribe(
+                    nc, subjects.collective_errors, cb=self._guard(self._on_collective_error)
                 ),
+                await bus.subscribe(nc, subjects.stalls, cb=self._guard(self._on_stall)),
             ]
             self._tasks.append(asyncio.create_task(self._follow_state(job)))
         self._tasks.append(asyncio.create_task(self._check_loop()))
@@ -133,8 +143,7 @@ class HealthMonitor:
                 ("GET", "/metrics"): self._metrics_route,
                 ("GET", "/healthz"): self._healthz_route,
             },
-            max_body_bytes=s.max_body_bytes,
-            max_connections=s.max_connections,
+            Limits(max_body_bytes=s.max_body_bytes, max_connections=s.max_connections),
             on_reject=self._on_http_reject,
         )
         self.port = await self.http.start(s.http_host, s.http_port)
@@ -232,6 +241,7 @@ class HealthMonitor:
         for machine in change.settled:
             self.tracker.unwatch(job, machine)
             self.stragglers.forget(job, machine)
+            self.steps.forget(job, machine)
             self.emitter.settle(
                 job, machine, f"machine is now {self.roster.status(job, machine) or 'removed'}"
             )
@@ -256,7 +266,7 @@ class HealthMonitor:
         for machine in self.stragglers.machines(job):
             if machine not in active:
                 self.stragglers.forget(job, machine)
-        self.metrics.machines_watched.set(len(self.tracker.watched(job)), job=job)
+        self.metrics.machines_watched.labels(job=job).set(len(self.tracker.watched(job)))
         log.info(
             "cluster_state_loaded" if first else "cluster_state_updated",
             job=job,
@@ -319,7 +329,7 @@ class HealthMonitor:
         recovered = self.tracker.beat(job, hb.machine, hb.seq, time.monotonic(), hb.ts)
         if not self._known(job, hb.machine, msg.subject, msg.data, "heartbeat"):
             return
-        self.metrics.heartbeats.inc(job=job)
+        self.metrics.heartbeats.labels(job=job).inc()
         if not self.tracker.is_watched(job, hb.machine):
             return  # failed / maintenance: already settled, its heartbeats mean nothing
         if recovered:
@@ -330,7 +340,7 @@ class HealthMonitor:
                 seq=hb.seq,
                 reason="heartbeat after a lapse",
             )
-        self.metrics.machines_up.set(self.tracker.up_count(job), job=job)
+        self.metrics.machines_up.labels(job=job).set(self.tracker.up_count(job))
         exited = abnormal_exits(hb)
         if exited:
             worker = exited[0]
@@ -353,9 +363,13 @@ class HealthMonitor:
         self._check_sender(job, msg, stats)
         if not self._known(job, stats.machine, msg.subject, msg.data, "step stats"):
             return
-        self.metrics.step_stats.inc(job=job)
+        self.metrics.step_stats.labels(job=job).inc()
         if self.roster.status(job, stats.machine) != "active":
             return  # standbys run shadow iterations: their times are not the job's
+        problem = self.steps.check(job, stats.machine, stats.step)
+        if problem is not None:
+            self._reject(job, msg.subject, msg.data, problem, "implausible_stats", stats.machine)
+            return
         state = self.roster.state(job)
         if state is not None and state.in_flight:
             # A migration's phase 1 builds groups in the background and slows the
@@ -416,6 +430,11 @@ class HealthMonitor:
             return
         if not self._known(job, report.peer, msg.subject, msg.data, "blamed peer"):
             return
+        state = self.roster.state(job)
+        problem = collective_error_problem(state, report) if state is not None else None
+        if problem is not None:
+            self._reject(job, msg.subject, msg.data, problem, "implausible_report", report.machine)
+            return
         if not self.tracker.is_watched(job, report.peer):
             log.info(
                 "collective_error_ignored",
@@ -440,6 +459,33 @@ class HealthMonitor:
             ),
             alive_ts=report.ts,
         )
+
+    def _on_stall(self, job: str, msg: Msg) -> None:
+        report = decode(StallReport, msg.data)
+        if report.job != job or msg.subject != JobSubjects(job).stall(report.machine):
+            raise MessageError(
+                f"message names {report.job}/{report.machine} but came on {msg.subject}"
+            )
+        state = self.roster.state(job)
+        if state is None:
+            return
+        problem = stall_problem(state, report, self.steps.last(job))
+        if problem is not None:
+            self._reject(job, msg.subject, msg.data, problem, "implausible_report", report.machine)
+            return
+        for culprit in sorted(report.culprits):
+            self._emit(
+                FailureEvent(
+                    event_id=event_id(
+                        job, culprit, "failure", f"stall:{report.epoch}:{report.step}"
+                    ),
+                    job=job,
+                    machine=culprit,
+                    reason=f"{report.reason} (reported by {report.machine})"[:4096],
+                    source="no_progress",
+                ),
+                alive_ts=None,
+            )
 
     # --- heartbeat deadlines -------------------------------------------------------
 
@@ -466,7 +512,7 @@ class HealthMonitor:
                 if n % expire_every == 0 and self.emitter is not None:
                     self.emitter.expire()
                     for job in self.roster.jobs:
-                        self.metrics.machines_up.set(self.tracker.up_count(job), job=job)
+                        self.metrics.machines_up.labels(job=job).set(self.tracker.up_count(job))
             except Exception as err:  # keep checking whatever one lapse did
                 log.exception("lapse_check_failed", error=str(err))
 
@@ -483,7 +529,7 @@ class HealthMonitor:
             )
             anchor = f"hb:{lapse.last_seq}:{lapse.last_sent_ts}"
             alive_ts = time.time() - lapse.silent_s
-        self.metrics.machines_up.set(self.tracker.up_count(lapse.job), job=lapse.job)
+        self.metrics.machines_up.labels(job=lapse.job).set(self.tracker.up_count(lapse.job))
         self._emit(
             FailureEvent(
                 event_id=event_id(lapse.job, lapse.machine, "failure", anchor),
@@ -512,17 +558,17 @@ class HealthMonitor:
     ) -> None:
         """Logs a rejected input and dead-letters it, within the flood limits."""
         if not self.roster.jobs:
-            self.metrics.dead_letters_suppressed.inc(category=category)
+            self.metrics.dead_letters_suppressed.labels(category=category).inc()
             log.info("input_rejected", subject=subject, reason=reason, dead_letter="no job")
             return
         target = job if job in self.roster.jobs else self.roster.jobs[0]
         ident = (target, category, key or reason)
         now = time.monotonic()
         if not self._rejected.first(ident, now) or not self._reject_bucket.allow(now):
-            self.metrics.dead_letters_suppressed.inc(category=category)
+            self.metrics.dead_letters_suppressed.labels(category=category).inc()
             log.debug("input_rejected_again", job=target, subject=subject, reason=reason)
             return
-        self.metrics.dead_letters.inc(job=target, category=category)
+        self.metrics.dead_letters.labels(job=target, category=category).inc()
         assert self._nc is not None
         task = asyncio.create_task(
             bus.dead_letter(self._nc.jetstream(), target, subject, payload, reason, SERVICE)
@@ -537,14 +583,14 @@ class HealthMonitor:
             outcome = {400: "bad_request", 413: "too_large", 503: "unavailable"}.get(
                 status, f"http_{status}"
             )
-            self.metrics.webhook_requests.inc(outcome=outcome)
+            self.metrics.webhook_requests.labels(outcome=outcome).inc()
 
-    async def _metrics_route(self, _request: Request) -> Response:
+    async def _metrics_route(self, _request: web.Request) -> web.Response:
         for job in self.roster.jobs:
-            self.metrics.machines_up.set(self.tracker.up_count(job), job=job)
-        return Response(200, self.metrics.registry.render().encode(), CONTENT_TYPE)
+            self.metrics.machines_up.labels(job=job).set(self.tracker.up_count(job))
+        return metrics_response(self.metrics.registry)
 
-    async def _healthz_route(self, _request: Request) -> Response:
+    async def _healthz_route(self, _request: web.Request) -> web.Response:
         connected = self._nc is not None and self._nc.is_connected
         ready = connected and self.roster.all_loaded
         body = {
@@ -554,4 +600,4 @@ class HealthMonitor:
             "open_incidents": len(self.emitter.table) if self.emitter else 0,
             "pending_publishes": self.emitter.pending if self.emitter else 0,
         }
-        return Response.json(200 if ready else 503, body)
+        return json_response(200 if ready else 503, body)

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 from trainmover.messages import StragglerEvidence
 
+REORDER_STEPS = 8
+"""A step this far behind the last one is a late report; further back, a new stream."""
+
 
 @dataclass(frozen=True)
 class StragglerFinding:
@@ -96,7 +99,13 @@ class StragglerDetector:
             history = _History(times=deque(maxlen=self.window))
             self._jobs[job][machine] = history
         if step <= history.last_step:
-            return None  # a repeated or reordered report says nothing new
+            if history.last_step - step <= REORDER_STEPS:
+                return None  # a repeated or reordered report says nothing new
+            # The stream went back (a restart from a checkpoint, or steps believed that
+            # never were): a new stream, whose slowness is judged afresh.
+            history.slow_run.clear()
+            history.slow_count = 0
+            history.normal_run = 0
         history.last_step = step
         # The reference is taken before this step joins the history.
         reference = self.job_median(job, excluding=machine)

@@ -20,7 +20,9 @@ from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 
-from trainmover.httpserver import Request, Response
+from aiohttp import web
+
+from trainmover.httpserver import json_response, read_body, text
 from trainmover.logs import get_logger
 from trainmover.messages import DrainEvent, FailureEvent
 from trainmover.services.health_monitor.alertmanager import Alert, PayloadError, parse_payload
@@ -78,11 +80,11 @@ class WebhookHandler:
         self._publish_timeout = publish_timeout
         self._clock = clock
 
-    def _answer(self, outcome: str, response: Response) -> Response:
-        self._metrics.webhook_requests.inc(outcome=outcome)
+    def _answer(self, outcome: str, response: web.Response) -> web.Response:
+        self._metrics.webhook_requests.labels(outcome=outcome).inc()
         return response
 
-    async def __call__(self, request: Request) -> Response:
+    async def __call__(self, request: web.Request) -> web.Response:
         if self._token is not None:
             given = request.headers.get("authorization", "")
             scheme, _, credential = given.partition(" ")
@@ -92,22 +94,22 @@ class WebhookHandler:
                 log.warning("webhook_unauthorized", reason="missing or wrong bearer token")
                 return self._answer(
                     "unauthorized",
-                    Response.text(
+                    text(
                         401,
                         "unauthorized: wrong or missing bearer token",
                         **{"WWW-Authenticate": "Bearer"},
                     ),
                 )
         try:
-            payload = parse_payload(request.body)
+            payload = parse_payload(await read_body(request))
         except PayloadError as err:
             log.warning("webhook_bad_request", reason=str(err))
-            return self._answer("bad_request", Response.text(400, str(err)))
+            return self._answer("bad_request", text(400, str(err)))
         missing = [j for j in self._roster.jobs if not self._roster.loaded(j)]
         if missing:
             reason = f"cluster state of job(s) {', '.join(missing)} not loaded yet; retry"
             log.warning("webhook_unavailable", reason=reason)
-            return self._answer("unavailable", Response.text(503, reason))
+            return self._answer("unavailable", text(503, reason))
 
         outcomes: Counter[str] = Counter()
         events: list[str] = []
@@ -116,7 +118,7 @@ class WebhookHandler:
         for alert in payload.alerts:
             outcome, eid, fut = self._handle(alert, payload.receiver, now)
             outcomes[outcome] += 1
-            self._metrics.alerts.inc(outcome=outcome)
+            self._metrics.alerts.labels(outcome=outcome).inc()
             if eid is not None and outcome == "event":
                 events.append(eid)
             if fut is not None:
@@ -129,7 +131,7 @@ class WebhookHandler:
             except TimeoutError:
                 reason = f"events not acked by the bus within {self._publish_timeout:g}s; retry"
                 log.warning("webhook_unavailable", reason=reason, events=len(waits))
-                return self._answer("unavailable", Response.text(503, reason))
+                return self._answer("unavailable", text(503, reason))
         log.info(
             "webhook_handled",
             receiver=payload.receiver,
@@ -139,7 +141,7 @@ class WebhookHandler:
         )
         return self._answer(
             "ok",
-            Response.json(
+            json_response(
                 200, {"alerts": len(payload.alerts), "outcomes": outcomes, "events": events}
             ),
         )

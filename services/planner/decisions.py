@@ -46,6 +46,7 @@ from trainmover.messages import (
 )
 from trainmover.runtime.layout import ROLE_GROUP_KINDS, Layout, MachineRole
 from trainmover.runtime.plan import compute_delta
+from trainmover.services.planner.pool import admit
 
 Event = DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent
 
@@ -76,6 +77,9 @@ class Outcome:
     progress: list[MigrationProgress] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     """Plan ids superseded (a leaver died mid-migration): the executor aborts them."""
+    refused: str = ""
+    """Why an input changed nothing, where that is worth a log line (a heartbeat turned
+    away from the pool)."""
 
     @property
     def changed(self) -> bool:
@@ -85,8 +89,12 @@ class Outcome:
 class Planner:
     """Decision rules over one job's ClusterState. Each call returns a new state."""
 
-    def __init__(self, straggler_cooldown_s: float = 300.0) -> None:
+    def __init__(
+        self, straggler_cooldown_s: float = 300.0, members: frozenset[str] | None = None
+    ) -> None:
         self.straggler_cooldown_s = straggler_cooldown_s
+        #: The machines the job config names (active and standbys); None admits any name.
+        self.members = members
 
     # --- events ----------------------------------------------------------------------
 
@@ -104,9 +112,15 @@ class Planner:
         if isinstance(event, FailureEvent):
             return self._on_failure(state, event, current, now)
         if current.status == "standby":
-            if isinstance(event, DrainEvent):
-                return self._retire_standby(state, event, "maintenance")
-            return self._reject(state, event, f"{event.machine} is a standby: nothing to move")
+            # A standby holds no role; taking it out of the pool is its sidecar's stop,
+            # not a migration (a drain that only marked it would be undone by its next
+            # heartbeat).
+            return self._reject(
+                state,
+                event,
+                f"{event.machine} is a standby: nothing to drain (stop its sidecar to take "
+                "it out of the pool)",
+            )
         if current.status != "active":
             return self._reject(state, event, f"{event.machine} is already {current.status}")
         if any(q.machine == event.machine for q in state.queued):
@@ -156,9 +170,15 @@ class Planner:
             if plan is None:
                 return outcome
             return self._replace_plan(outcome.state, plan, now, outcome)
-        if current.status == "leaving" and _plan_with_leaver(state, machine) is None:
+        leaving_in = _plan_with_leaver(state, machine) if current.status == "leaving" else None
+        if current.status == "leaving" and leaving_in is None:
             # Leaving with no plan: a failure already waiting for a standby.
             return self._reject(state, event, f"{machine} is already failed and queued")
+        if leaving_in is not None and leaving_in.migration != "planned":
+            # Its recovery does not need it (its fence may well be what was reported).
+            return self._reject(
+                state, event, f"{machine} is already being recovered ({leaving_in.plan_id[:8]})"
+            )
         return self._recover(state, [event], now)
 
     def _recover(self, state: ClusterState, failures: list[FailureEvent], now: float) -> Outcome:
@@ -528,27 +548,13 @@ class Planner:
     # --- standby pool ------------------------------------------------------------------
 
     def on_heartbeat(self, state: ClusterState, beat: Heartbeat, now: float) -> Outcome:
-        """Admits a warm, healthy machine to the standby pool; then serves queued drains."""
-        current = state.machines.get(beat.machine)
-        healthy = all(w.state != "exited" for w in beat.workers)
-        wanted = set(role_types(state.layout))
-        warm = [t for t in beat.warm_role_types if t in wanted]
-        admissible = (
-            beat.status == "standby"
-            and healthy
-            and warm
-            and (current is None or current.status in ("maintenance", "failed"))
-        )
-        if not admissible and not (
-            current is not None
-            and current.status == "standby"
-            and sorted(warm) != current.warm_role_types
-        ):
-            return Outcome(state)
-        state = _set_machine(
-            state, beat.machine, status="standby", cell=None, warm_role_types=sorted(warm)
-        )
-        outcome = Outcome(state, progress=[])
+        """Admits a warm, healthy machine to the standby pool (`pool.admit`); then serves
+        queued drains."""
+        admission = admit(state, beat, set(role_types(state.layout)), self.members)
+        if admission.machine is None:
+            return Outcome(state, refused=admission.reason)
+        machines = {**state.machines, beat.machine: admission.machine}
+        outcome = Outcome(state.model_copy(update={"machines": machines}), progress=[])
         return self._serve_queue(outcome, now)
 
     def _serve_queue(self, outcome: Outcome, now: float) -> Outcome:

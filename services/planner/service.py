@@ -42,6 +42,7 @@ from trainmover.messages import (
 from trainmover.metrics import Registry
 from trainmover.runtime.config import JobConfig
 from trainmover.services.planner.decisions import Outcome, Planner
+from trainmover.services.planner.pool import RETURNING
 from trainmover.subjects import STATE_KEY, JobSubjects
 from trainmover.tasks import cancel_and_wait
 
@@ -73,7 +74,10 @@ class PlannerService:
         self._config = config
         self._job = config.job
         self._subjects = JobSubjects(config.job)
-        self._planner = planner or Planner()
+        self._planner = planner or Planner(
+            members=frozenset([*config.cluster.machines, *config.cluster.standbys])
+        )
+        self._refused: dict[str, str] = {}  # machine -> why its last heartbeat was turned away
         self._rebalance_interval_s = rebalance_interval_s
         self._kv: KeyValue | None = None
         self._state: ClusterState | None = None
@@ -131,10 +135,13 @@ class PlannerService:
                 ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30
             ),
         )
+        # bus.subscribe: a subscription the bus refuses ends the start with its subject.
         self._subs.append(
-            await self._nc.subscribe(self._subjects.heartbeats, cb=self._on_heartbeat)
+            await bus.subscribe(self._nc, self._subjects.heartbeats, cb=self._on_heartbeat)
         )
-        self._subs.append(await self._nc.subscribe(self._subjects.all_stats, cb=self._on_stats))
+        self._subs.append(
+            await bus.subscribe(self._nc, self._subjects.all_stats, cb=self._on_stats)
+        )
         self._tasks = [
             asyncio.create_task(self._pump(events, self._on_event)),
             asyncio.create_task(self._pump(progress, self._on_progress)),
@@ -218,6 +225,20 @@ class PlannerService:
             )
             await msg.ack()
             return
+        if msg.subject != self._subjects.event(event.kind):
+            # Who may publish what is granted per subject (a client may not raise a
+            # straggler): a payload must be of its subject's kind to be believed.
+            await bus.dead_letter(
+                self._js,
+                self._job,
+                msg.subject,
+                msg.data,
+                f"a {event.kind} event on {msg.subject}: events must come on "
+                f"{self._subjects.event(event.kind)}",
+                "planner",
+            )
+            await msg.ack()
+            return
         if isinstance(event, RebalanceEvent) and event.machine is None:
             slowest = self._slowest()
             if slowest is not None:
@@ -250,11 +271,23 @@ class PlannerService:
             beat = decode(Heartbeat, msg.data)
         except MessageError:
             return  # the health-monitor dead-letters bad heartbeats; one copy is enough
+        if beat.job != self._job or msg.subject != self._subjects.heartbeat(beat.machine):
+            return  # likewise: it names another machine than the subject it came on
         current = self.state.machines.get(beat.machine)
-        if beat.status != "standby" or (
-            current is not None and current.status not in ("standby", "maintenance", "failed")
-        ):
+        if current is not None and current.status not in RETURNING + ("standby",):
+            if not (beat.status == "active" and current.instance is None):
+                return  # most heartbeats: a machine holding its role, already known
+        outcome = self._planner.on_heartbeat(self.state, beat, time.time())
+        if outcome.refused:
+            if self._refused.get(beat.machine) != outcome.refused:
+                if len(self._refused) > 4096:  # names come from the wire: stay bounded
+                    self._refused.clear()
+                self._refused[beat.machine] = outcome.refused
+                log.warning(
+                    "heartbeat_refused", job=self._job, machine=beat.machine, reason=outcome.refused
+                )
             return
+        self._refused.pop(beat.machine, None)
         await self._decide(
             lambda s: self._planner.on_heartbeat(s, beat, time.time()), machine=beat.machine
         )
@@ -297,7 +330,7 @@ class PlannerService:
             outbox = [*before.outbox, *_outbox_entries(outcome)]
             await self._save(outcome.state.model_copy(update={"outbox": outbox}))
             for p in outcome.progress:
-                self._m_decisions.inc(outcome=p.state)
+                self._m_decisions.labels(outcome=p.state).inc()
                 log.info(
                     "decision",
                     job=self._job,
@@ -308,7 +341,7 @@ class PlannerService:
                     **context,
                 )
             for plan in outcome.plans:
-                self._m_plans.inc(kind=plan.migration)
+                self._m_plans.labels(kind=plan.migration).inc()
             await self._flush_outbox()
 
     async def _flush_outbox(self) -> None:

@@ -6,7 +6,9 @@
 - publishes a heartbeat every interval (and at once when a worker exits) and the step
   statistics of its ranks;
 - after its workers left in a migration, keeps the machine in maintenance for the
-  configured time, then relaunches them as a standby, as a drained node returns.
+  configured time, then relaunches them as a standby, as a drained node returns;
+- when the planner declared the machine failed (`fence`), kills its workers at once and
+  relaunches them as a fresh standby: two machines never both hold a role.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from nats.aio.client import Client as NatsClient
 from nats.js.errors import KeyNotFoundError
 
-from trainmover import bus
+from trainmover import bus, metric_names
 from trainmover.httpserver import HttpServer, serve_observability
 from trainmover.logs import get_logger
 from trainmover.messages import (
@@ -29,8 +31,10 @@ from trainmover.messages import (
     Command,
     Heartbeat,
     Plan,
+    StallReport,
     StepStats,
     decode,
+    new_id,
 )
 from trainmover.metrics import Registry
 from trainmover.runtime import control as c
@@ -76,6 +80,9 @@ class Sidecar:
         self._state: ClusterState | None = None
         self._status = "standby"
         self._warm_types: list[str] = []
+        #: The incarnation of this machine's workers, new at every launch: the planner
+        #: takes a released or failed machine back only from a new one.
+        self._instance = new_id()
         self._seq = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._server: bus.CommandServer | None = None
@@ -96,11 +103,11 @@ class Sidecar:
         self.workers.tracker.listeners.append(self._on_worker_event)
         self.metrics = Registry()
         self._m_commands = self.metrics.counter(
-            "trainmover_sidecar_commands_total",
+            metric_names.SIDECAR_COMMANDS,
             "Commands handled, by op and outcome",
             ["op", "outcome"],
         )
-        self._m_steps = self.metrics.gauge("trainmover_sidecar_step", "Last step of the machine")
+        self._m_steps = self.metrics.gauge(metric_names.SIDECAR_STEP, "Last step of the machine")
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -200,6 +207,7 @@ class Sidecar:
                 status=self._status,  # type: ignore[arg-type]
                 workers=workers,
                 warm_role_types=warm,
+                instance=self._instance,
             )
             self._seq += 1
             with contextlib.suppress(Exception):
@@ -215,6 +223,8 @@ class Sidecar:
             self._loop.call_soon_threadsafe(self._beat_now.set)
         elif isinstance(msg, c.CollectiveErrorEvent):
             self._loop.call_soon_threadsafe(self._report_collective_error, msg)
+        elif isinstance(msg, c.StallEvent):
+            self._loop.call_soon_threadsafe(self._report_stall, msg)
 
     def _report_collective_error(self, error: c.CollectiveErrorEvent) -> None:
         """A rank's collective failed: tell the health-monitor whom it blames."""
@@ -238,6 +248,25 @@ class Sidecar:
             return  # nobody to blame: the heartbeats will tell who died
         task = asyncio.ensure_future(
             self._nc.publish(self._subjects.collective_error(self.machine), report.to_json())
+        )
+        task.add_done_callback(lambda t: t.exception())
+
+    def _report_stall(self, stall: c.StallEvent) -> None:
+        """A rank of this machine names the machines holding a step back."""
+        assert self._nc is not None
+        report = StallReport(
+            job=self.job,
+            machine=self.machine,
+            epoch=stall.epoch,
+            step=stall.step,
+            culprits=stall.culprits,
+            reason=stall.reason[:4000],
+            waited_s=stall.waited_s,
+            median_step_s=stall.median_step_s,
+        )
+        log.warning("step_held_back", job=self.job, machine=self.machine, reason=report.reason)
+        task = asyncio.ensure_future(
+            self._nc.publish(self._subjects.stall(self.machine), report.to_json())
         )
         task.add_done_callback(lambda t: t.exception())
 
@@ -274,9 +303,9 @@ class Sidecar:
         try:
             result = await self._dispatch(command, timeout)
         except Exception:
-            self._m_commands.inc(op=command.op, outcome="error")
+            self._m_commands.labels(op=command.op, outcome="error").inc()
             raise
-        self._m_commands.inc(op=command.op, outcome="ok")
+        self._m_commands.labels(op=command.op, outcome="ok").inc()
         return result
 
     async def _dispatch(self, command: Command, timeout: float) -> dict[str, object]:
@@ -293,6 +322,8 @@ class Sidecar:
             return await asyncio.to_thread(w.step_times, step, timeout)
         if op == "warm":
             return await self._warm(timeout)
+        if op == "fence":
+            return await self._fence(str(command.args.get("instance") or ""))
         if op == "slow":  # fault injection: this machine becomes a straggler
             extra_s = float(command.args.get("extra_s", 0.0))
             return await asyncio.to_thread(w.slow, extra_s)
@@ -375,12 +406,29 @@ class Sidecar:
             self._beat_now.set()
         return {"relaunched": False, "status": self._status}
 
+    async def _fence(self, instance: str) -> dict[str, object]:
+        """The planner declared this machine failed: its role trains elsewhere now. Its
+        workers are killed at once (SIGKILL ends a hung or stopped process too), and the
+        machine comes back only as a fresh standby (a new instance). A fence meant for
+        an earlier instance (a late or repeated command) leaves the current one alone."""
+        if instance and instance != self._instance:
+            return {"fenced": False, "instance": self._instance, "reason": "a newer instance"}
+        fenced = self._instance
+        self._status = "maintenance"
+        self._warm_types = []
+        self._beat_now.set()
+        await asyncio.to_thread(self.workers.kill)
+        log.warning("fenced", job=self.job, machine=self.machine, instance=fenced)
+        self._tasks.append(asyncio.create_task(self._relaunch_as_standby()))
+        return {"fenced": True, "instance": fenced}
+
     async def _return_after_maintenance(self) -> None:
         await asyncio.sleep(self.s.config.cluster.maintenance_s)
         await self._relaunch_as_standby()
 
     async def _relaunch_as_standby(self) -> None:
         await asyncio.to_thread(self.workers.stop)
+        self._instance = new_id()
         await asyncio.to_thread(self.workers.launch)
         self._status = "standby"
         self._warm_types = []

@@ -65,7 +65,10 @@ class MachineWorkers:
     # --- processes -------------------------------------------------------------------
 
     def launch(self) -> None:
-        """Starts this machine's worker processes (again, after a maintenance)."""
+        """Starts this machine's worker processes (again, after a maintenance or a
+        fence). New workers hold no role until their welcome gives them one."""
+        with self._lock:
+            self.cell = None
         for ref in self.refs:
             proc = spawn_worker(
                 ref, self.entry, self.control.address, self._config_path, self.run_dir
@@ -93,6 +96,15 @@ class MachineWorkers:
                 except Exception:  # noqa: S110 - it is being stopped either way
                     pass
         stop_processes(self.tracker.procs.values())
+
+    def kill(self) -> None:
+        """SIGKILLs every worker process at once (a fence: no step boundary is waited
+        for, and a hung or stopped process dies too), then reaps them."""
+        procs = [p for p in self.tracker.procs.values() if p.poll() is None]
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
     def close(self) -> None:
         self.stop()

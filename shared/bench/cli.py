@@ -1,7 +1,7 @@
 """``trainmover bench [downtime|rebalance|scale|all] [options]``: the benchmark commands.
 
-Without a sub-command (``make bench``), runs all three at their default settings and
-writes bench-out/{downtime,rebalance,scale}.{json,md,png}.
+Without a sub-command (``make bench``), runs every benchmark at its default settings and
+writes bench-out/<name>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from trainmover.bench import downtime, rebalance, scale
+from trainmover.bench import downtime, hangs, rebalance, scale
 
 #: sub-command -> (add its options, run it)
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
@@ -18,11 +18,13 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
     "downtime": (downtime.add_arguments, downtime.main),
     "rebalance": (rebalance.add_arguments, rebalance.main),
     "scale": (scale.add_arguments, scale.main),
+    "hangs": (hangs.add_arguments, hangs.main),
 }  # fmt: skip
 HELP = {
     "downtime": "planned and failure downtime: TrainMover, ablations, torchrun, torchft",
     "rebalance": "training-time ratio with a migration every P seconds",
     "scale": "delta vs full group setup, measured 4-16 ranks and projected to 65,536",
+    "hangs": "a hung machine: detection and downtime by hang kind, against the timeout",
 }
 
 
@@ -31,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     for name, (add, _) in COMMANDS.items():
         add(sub.add_parser(name, help=HELP[name]))
-    every = sub.add_parser("all", help="all three at their defaults")
+    every = sub.add_parser("all", help="every benchmark at its defaults")
     every.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder")
     return p
 

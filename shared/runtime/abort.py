@@ -92,6 +92,10 @@ class AbortSignal:
         self.timeout_s = timeout_s
         #: Called (on the failing thread) for the first collective error of an epoch.
         self.on_failure: FailureHandler | None = None
+        #: Called between two polls of a blocked wait with the seconds it has waited, so
+        #: the progress board can name whoever holds the step back long before the
+        #: timeout (`trainmover.runtime.progress`).
+        self.on_wait: Callable[[float], None] | None = None
 
     @property
     def epoch(self) -> str:
@@ -175,8 +179,11 @@ class AbortSignal:
         CollectiveError (aborting the epoch) past the deadline."""
         if self.is_set():
             raise StepAborted(f"{group}: step aborted ({self.reason})")
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise self._failed(group, peer_machine, f"no progress in {limit:.0f}s")
+        if self.on_wait is not None:
+            self.on_wait(now - (deadline - limit))
 
     def _failed(self, group: str, peer_machine: str | None, reason: str) -> CollectiveError:
         """The error of a failed wait, with the epoch aborted for every other wait."""

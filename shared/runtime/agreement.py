@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -36,6 +37,8 @@ COMMIT = "commit"
 ABORT = "abort"
 #: Slice of a blocking wait on the store, so the watcher notices a new target or close.
 _WATCH_SLICE = timedelta(seconds=1)
+#: How often a voter waiting for a decision looks at how long it has waited.
+STALL_POLL_S = 0.25
 
 
 def _client(address: str, timeout_s: float) -> dist.TCPStore:
@@ -63,6 +66,9 @@ class CommitAgreement:
         self.committed = committed
         #: Seconds the last vote took (the agreement's per-step cost, skew included).
         self.last_vote_s = 0.0
+        #: Called on the voting thread, every STALL_POLL_S while a decision is awaited,
+        #: with (epoch, step, seconds waited).
+        self.on_stall: Callable[[str, int, float], None] | None = None
         self._vote = _client(store_address, timeout_s)
         self._abort = _client(store_address, timeout_s)
         self._abort_lock = threading.Lock()
@@ -95,7 +101,7 @@ class CommitAgreement:
             # Every rank has read step - 1's decision before voting for this one.
             for what in ("votes", "decision"):
                 self._vote.delete_key(self.key(epoch, step - 1, what))
-        verdict = self._verdict(epoch, step, self.timeout_s)
+        verdict = self._await_verdict(epoch, step, started)
         if verdict is None:  # a rank never voted and nobody noticed: give up on the step
             self.abort(f"commit vote of step {step} not decided in {self.timeout_s:.0f}s")
             verdict = self._verdict(epoch, step, self.timeout_s) or ABORT
@@ -103,6 +109,21 @@ class CommitAgreement:
         if verdict != COMMIT:
             raise StepAborted(f"step {step} aborted by the commit agreement")
         self.committed = step
+
+    def _await_verdict(self, epoch: str, step: int, started: float) -> str | None:
+        """The decision of `step`, waited for up to `timeout_s`; while it does not come,
+        `on_stall` hears how long this rank has waited (the progress board then names
+        whoever holds the step back, long before the timeout)."""
+        while True:
+            waited = time.perf_counter() - started
+            left = self.timeout_s - waited
+            if left <= 0:
+                return None
+            verdict = self._verdict(epoch, step, min(left, STALL_POLL_S))
+            if verdict is not None:
+                return verdict
+            if self.on_stall is not None:
+                self.on_stall(epoch, step, time.perf_counter() - started)
 
     def _verdict(self, epoch: str, step: int, timeout_s: float) -> str | None:
         with self._cond:

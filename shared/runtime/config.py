@@ -73,6 +73,12 @@ class RuntimeConfig(BaseModel):
     #: connection error at once and every other rank learns of the abort from the
     #: store, so this only bounds silent hangs.
     failure_timeout_s: float = Field(default=120.0, gt=0)
+    #: Hangs: a rank that waited longer than max(stall_floor_s, stall_factor x its
+    #: median step) reads the progress board and names whoever holds the step back
+    #: (trainmover.runtime.progress). Off, only `failure_timeout_s` ends a hang.
+    stall_detection: bool = True
+    stall_floor_s: float = Field(default=1.5, gt=0)
+    stall_factor: float = Field(default=5.0, gt=1)
     #: The per-step commit agreement (a vote through the store before the optimizer
     #: step). Off only to measure its cost: without it a failure can leave replicas
     #: at different steps.

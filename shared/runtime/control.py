@@ -285,6 +285,21 @@ class CollectiveErrorEvent(Message):
     t: float
 
 
+class StallEvent(Message):
+    """This rank waited for the decision of `step` past the stall threshold and the
+    progress board names the ranks holding it back (`trainmover.runtime.progress`)."""
+
+    TYPE: ClassVar[str] = "stall"
+    epoch: str
+    step: int
+    #: Culprit machine -> its ranks that did not reach the vote.
+    culprits: dict[str, list[int]]
+    reason: str
+    waited_s: float
+    median_step_s: float
+    t: float
+
+
 class StepAbortedEvent(Message):
     """This rank discarded its in-flight step and waits for `recover`."""
 
@@ -335,6 +350,7 @@ MESSAGES: dict[str, type[Message]] = {
         Switched,
         Warmed,
         CollectiveErrorEvent,
+        StallEvent,
         StepAbortedEvent,
         PlanFailed,
         Exited,

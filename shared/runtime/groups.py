@@ -31,7 +31,7 @@ import torch.distributed as dist
 from trainmover.runtime import fault
 from trainmover.runtime.abort import POLL_S, WAITER, AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.plan import GroupSpec, RankRef
-from trainmover.runtime.steptime import WAITS
+from trainmover.runtime.steptime import IN_FLIGHT, WAITS
 
 _incarnations = itertools.count(1)
 
@@ -102,6 +102,9 @@ class Group:
         #: Works posted and not yet waited to success; a failed one taints the group.
         self._inflight: list[PendingWork] = []
         self._failed = False
+        #: Works posted for a c10d `SwappableGroup` (waited by their caller, e.g. DDP's
+        #: reducer); kept until seen complete.
+        self._c10d: list[Any] = []
         #: Sees every tensor received (tag, tensor): how a live rank records for shadow
         #: iterations (`trainmover.runtime.sandbox.Recorder`).
         self.tap: Callable[[int, torch.Tensor], None] | None = None
@@ -118,7 +121,12 @@ class Group:
     def dirty(self) -> bool:
         """A work of this incarnation failed or was abandoned unfinished: its peers'
         sequence of operations no longer matches ours, so it must not be used again."""
-        return self._failed or any(not w.done for w in self._inflight)
+        self._reap_c10d()
+        return (
+            self._failed
+            or any(not w.done for w in self._inflight)
+            or any(not w.is_completed() for w in self._c10d)
+        )
 
     def peer_machine(self, peer: int | None) -> str | None:
         """The machine to blame when a work fails: the named peer, or the only other
@@ -127,20 +135,57 @@ class Group:
             peer = 1 - self.rank
         return None if peer is None else self.spec.members[peer].machine
 
-    def _post(self, start: Callable[[], Any], peer: int | None, p2p: bool = False) -> PendingWork:
+    def _start(self, start: Callable[[], Any], peer: int | None, call: str = "") -> Any:
         """Starts a work item; posting itself fails at once on a closed connection."""
         if self.signal.is_set():
             raise StepAborted(f"{self.name}: step aborted ({self.signal.reason})")
         try:
-            work = start()
+            return start()
         except RuntimeError as exc:
             self._failed = True
-            error = CollectiveError(self.name, self.peer_machine(peer), str(exc).strip()[:500])
+            text = f"{call}: {exc}" if call else str(exc)
+            error = CollectiveError(self.name, self.peer_machine(peer), text.strip()[:500])
             self.signal.fail(error)
             raise error from None
-        pending = PendingWork(self, work, peer, p2p)
+
+    def _post(self, start: Callable[[], Any], peer: int | None, p2p: bool = False) -> PendingWork:
+        """Starts a work item that the runtime waits itself (`_wait`)."""
+        pending = PendingWork(self, self._start(start, peer), peer, p2p)
         self._inflight.append(pending)
         return pending
+
+    def track(self, call: str, start: Callable[[], Any]) -> Any:
+        """Posts a collective of the c10d wrapper (`trainmover.runtime.c10d`) and returns
+        its work unwaited: its caller waits it. The work is remembered, so a failure or an
+        abandoned work taints this group as the runtime's own collectives do."""
+        self.c10d_failure()
+        work = self._start(start, None, call)
+        self._c10d.append(work)
+        IN_FLIGHT.track(work)
+        return work
+
+    def _reap_c10d(self) -> str | None:
+        """Drops the c10d works seen complete; the first error among them, if any (the
+        group is then dirty)."""
+        error = None
+        for work in [w for w in self._c10d if w.is_completed()]:
+            self._c10d.remove(work)
+            exc = work.exception()
+            if exc is not None:
+                self._failed = True
+                error = error or str(exc)[:500]
+        return error
+
+    def c10d_failure(self) -> CollectiveError | None:
+        """A c10d work of this group that completed with an error since the last call,
+        reported through the abort signal (how a step that DDP's reducer failed in is
+        recognised as aborted, not as a bug of the training loop)."""
+        error = self._reap_c10d()
+        if error is None:
+            return None
+        failure = CollectiveError(self.name, self.peer_machine(None), error)
+        self.signal.fail(failure)
+        return failure
 
     def _wait(self, pending: PendingWork) -> None:
         peer = self.peer_machine(pending.peer)

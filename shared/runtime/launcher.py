@@ -164,6 +164,9 @@ def spawn_worker(
         w.ENV_LOCAL_RANK: str(ref.local_rank),
         w.ENV_CONFIG: str(config_path),
         w.ENV_RUN_DIR: str(run_dir),
+        # torchrun's per-process variable; the role's (RANK, MASTER_ADDR, ...) are set by
+        # the runtime once the process has a role (`trainmover.runtime.pgs`).
+        "LOCAL_RANK": str(ref.local_rank),
         **(extra_env or {}),
     }
     log = open(log_dir / f"{ref.machine}-{ref.local_rank}.log", "ab")  # noqa: SIM115

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from trainmover.runtime.c10d import completed_work
 from trainmover.runtime.groups import Group
 from trainmover.runtime.layout import Layout
 from trainmover.runtime.plan import GroupSpec, RankRef
@@ -117,6 +118,74 @@ class SandboxStats:
         self.replayed = self.synthesized = self.local = 0
 
 
+class LocalBackend:
+    """The c10d face of a sandboxed group (what `trainmover.runtime.c10d` forwards to):
+    every collective is answered at once, as if every other member held this rank's
+    values, so DDP's start-up checks pass and its averaged gradients stay this rank's."""
+
+    def __init__(self, rank: int, size: int, stats: SandboxStats, gen: torch.Generator):
+        self.rank, self.size, self._stats, self._gen = rank, size, stats, gen
+
+    def _done(self, tensors: Any = None) -> Any:
+        self._stats.synthesized += 1
+        return completed_work(tensors)
+
+    def _reduce(self, tensor: torch.Tensor, opts: Any) -> None:
+        if getattr(opts, "reduceOp", dist.ReduceOp.SUM) == dist.ReduceOp.SUM:
+            tensor.mul_(self.size)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        for t in tensors:
+            self._reduce(t, opts)
+        return self._done(tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        return self._done(tensors)
+
+    def barrier(self, opts: Any = None) -> Any:
+        return self._done()
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        for out, inp in zip(outputs, inputs, strict=True):
+            for t in out:
+                t.copy_(inp)
+        return self._done(outputs)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+        output.copy_(input.reshape(1, -1).expand(self.size, -1).reshape(output.shape))
+        return self._done([output])
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> Any:
+        for out, inp in zip(outputs, inputs, strict=True):
+            out.copy_(inp[self.rank])
+            self._reduce(out, opts)
+        return self._done(outputs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+        output.copy_(input.reshape(self.size, -1)[self.rank].reshape(output.shape))
+        self._reduce(output, opts)
+        return self._done([output])
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> Any:
+        output.copy_(input)
+        return self._done([output])
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
+        return self._done()
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
+        for t in tensors:
+            t.copy_(torch.randn(t.shape, generator=self._gen))
+        return self._done(tensors)
+
+
 class SandboxGroup(Group):
     """A PP or DP group of the role being warmed, answered locally."""
 
@@ -128,9 +197,10 @@ class SandboxGroup(Group):
         stats: SandboxStats,
         seed: int,
     ):
-        super().__init__(spec, rank, backend=None, build_s=0.0)
-        self._record, self._stats = record, stats
         self._gen = torch.Generator().manual_seed(seed)
+        backend = LocalBackend(rank, len(spec.members), stats, self._gen)
+        super().__init__(spec, rank, backend=backend, build_s=0.0)
+        self._record, self._stats = record, stats
 
     def allreduce(self, tensor: torch.Tensor) -> None:
         # As if every replica held our values: the average is then our own gradient.

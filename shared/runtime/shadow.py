@@ -20,10 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from trainmover.runtime import control as c
 from trainmover.runtime.groups import GroupTable
 from trainmover.runtime.layout import Layout, Role
+from trainmover.runtime.pgs import ProcessGroups, activated
 from trainmover.runtime.plan import RankRef
 from trainmover.runtime.sandbox import (
     LocalGroup,
@@ -78,16 +80,21 @@ def run_shadow(
             ]
         )
         rng = torch.get_rng_state()  # the shadow must not move the process's global RNG
+        # c10d groups over the sandbox's, the default group among them, for a loop
+        # written against standard PyTorch (DDP, dist.init_process_group()).
+        c10d = ProcessGroups(layout, role, groups.get, dist.HashStore(), f"{specs['dp'].name}/")
         try:
-            step = shadow(role, groups)
-            times[role_type] = []
-            for _ in range(warm.iterations):
-                started = time.perf_counter()
-                step()
-                times[role_type].append(time.perf_counter() - started)
-            del step
+            with activated(c10d, default=True):
+                step = shadow(role, groups)
+                times[role_type] = []
+                for _ in range(warm.iterations):
+                    started = time.perf_counter()
+                    step()
+                    times[role_type].append(time.perf_counter() - started)
+                del step
         finally:
             torch.set_rng_state(rng)
+            c10d.close()
             groups.shutdown()
         gc.collect()
     return c.Warmed(

@@ -2,7 +2,9 @@
 
 The state is everything a joiner needs to continue exactly where the leaver stopped:
 parameters, optimizer state, the step counter, each stateful helper's state (the data
-position) and every RNG state (torch's global one and the generators registered here).
+position) and every RNG state (torch's global one, CUDA's on a GPU, and the generators
+registered here). Parameters and optimizer state are read and written through
+`torch.distributed.checkpoint.state_dict`, the framework's own API.
 It travels as one JSON header plus one flat byte buffer, so a transfer is three messages
 whatever the model size, and the receiver checks names, shapes and dtypes against its own
 model before copying anything.
@@ -15,11 +17,20 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from trainmover.runtime.groups import Group
+
+#: Separates a parameter's name from its optimizer state key in a tensor's name.
+_KEY = ":"
 
 
 class Stateful(Protocol):
@@ -51,51 +62,71 @@ class TrainingState:
     # -- capture / restore -------------------------------------------------------------
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the state by a stable name (parameters, optimizer, RNG)."""
-        tensors = {f"model.{n}": p.detach() for n, p in self.model.state_dict().items()}
-        opt = self.optimizer.state_dict()
-        for idx, entry in sorted(opt["state"].items()):
+        """Every tensor of the state by a stable name (parameters, optimizer, RNG).
+
+        Through `torch.distributed.checkpoint.state_dict`, so names are fully qualified
+        parameter names whatever wraps the model (DDP's ``module.`` prefix is not part
+        of them) and the same code serves sharded (DTensor) state."""
+        model = get_model_state_dict(self.model)
+        tensors = {f"model.{n}": cast(torch.Tensor, t).detach() for n, t in model.items()}
+        for fqn, entry in sorted(self._optim_state()["state"].items()):
             for key, value in sorted(entry.items()):
                 if isinstance(value, torch.Tensor):
-                    tensors[f"optim.{idx}.{key}"] = value
+                    tensors[f"optim.{fqn}{_KEY}{key}"] = value
         tensors["rng.torch"] = torch.get_rng_state()
+        device = _device_of(self.model)
+        if device.type == "cuda":
+            tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
         for name, gen in sorted(self.generators.items()):
             tensors[f"rng.{name}"] = gen.get_state()
         return tensors
 
+    def _optim_state(self) -> dict[str, Any]:
+        """The optimizer's state dict keyed by parameter name. An optimizer without state
+        yet (no step taken) is left alone: reading it through the checkpoint API would
+        initialise it with a step of learning rate zero, which counts as a step."""
+        if not self.optimizer.state:
+            return {"state": {}, "param_groups": None}
+        return cast(dict[str, Any], get_optimizer_state_dict(self.model, self.optimizer))
+
     def header(self) -> dict[str, Any]:
         """The non-tensor part of the state."""
-        opt = self.optimizer.state_dict()
+        opt = self._optim_state()
         return {
             "step": self.step,
             "stateful": {n: s.state_dict() for n, s in sorted(self.stateful.items())},
             "param_groups": opt["param_groups"],
             "optim_scalars": {
-                str(idx): {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
-                for idx, entry in opt["state"].items()
+                fqn: {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
+                for fqn, entry in opt["state"].items()
             },
         }
 
     def restore(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Overwrites this rank's state with a captured one."""
-        own = self.model.state_dict()
-        with torch.no_grad():
-            for name, value in own.items():
-                value.copy_(tensors[f"model.{name}"])
-        state: dict[int, dict[str, Any]] = {}
-        for name, value in tensors.items():
-            if name.startswith("optim."):
-                _, idx, key = name.split(".", 2)
-                state.setdefault(int(idx), {})[key] = value
-        for idx, scalars in header["optim_scalars"].items():
-            state.setdefault(int(idx), {}).update(scalars)
-        own_groups = self.optimizer.state_dict()["param_groups"]
-        groups = [
-            {k: _like(mine.get(k), v) for k, v in theirs.items()}
-            for mine, theirs in zip(own_groups, header["param_groups"], strict=True)
-        ]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        model = {n.removeprefix("model."): t for n, t in tensors.items() if n.startswith("model.")}
+        set_model_state_dict(self.model, cast(dict[str, Any], model))
+        if header["param_groups"] is None:
+            self.optimizer.state.clear()  # the sender had not stepped yet either
+        else:
+            state: dict[str, dict[str, Any]] = {}
+            for name, value in tensors.items():
+                if name.startswith("optim."):
+                    fqn, key = name.removeprefix("optim.").rsplit(_KEY, 1)
+                    state.setdefault(fqn, {})[key] = value
+            for fqn, scalars in header["optim_scalars"].items():
+                state.setdefault(fqn, {}).update(scalars)
+            own_groups = self.optimizer.param_groups
+            groups = [
+                {k: _like(mine.get(k), v) for k, v in theirs.items()}
+                for mine, theirs in zip(own_groups, header["param_groups"], strict=True)
+            ]
+            set_optimizer_state_dict(
+                self.model, self.optimizer, cast(Any, {"state": state, "param_groups": groups})
+            )
         torch.set_rng_state(tensors["rng.torch"].cpu())
+        if "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"].cpu(), _device_of(self.model))
         for name, gen in self.generators.items():
             gen.set_state(tensors[f"rng.{name}"].cpu())
         for name, obj in self.stateful.items():

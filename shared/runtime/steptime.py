@@ -80,6 +80,11 @@ def run_queue_s() -> float:
     return _own.schedstat.run_queue_s()
 
 
+#: Thread id -> how many waits it is inside now (read by other threads: the progress
+#: beacon tells whether the training thread waits in a collective).
+_INSIDE: dict[int, int] = {}
+
+
 class WaitClock(threading.local):
     """Per-thread totals: seconds spent waiting, and the run-queue delay inside those
     waits (already part of the waiting). Per thread, so a wait on another thread never
@@ -93,15 +98,63 @@ class WaitClock(threading.local):
     def waiting(self) -> Iterator[None]:
         """Counts the enclosed block as waiting (also when it raises)."""
         started, queued = time.perf_counter(), run_queue_s()
+        me = threading.get_ident()
+        _INSIDE[me] = _INSIDE.get(me, 0) + 1
         try:
             yield
         finally:
+            _INSIDE[me] -= 1
             self.waited_s += time.perf_counter() - started
             self.queued_s += run_queue_s() - queued
+
+    @staticmethod
+    def is_waiting(thread_id: int) -> bool:
+        """Whether thread `thread_id` is inside a wait now (from any thread)."""
+        return _INSIDE.get(thread_id, 0) > 0
 
 
 #: Every wait of the runtime goes through this clock.
 WAITS = WaitClock()
+
+
+class InFlightClock:
+    """Works that a library waits for itself (DDP's reducer waits for its all-reduces in
+    C++, out of the runtime's reach): each one's span from posting to completion. Time
+    covered by such spans counts as waiting, so a rank held back by a slow peer's late
+    all-reduce is not taken for slow itself; it slightly overstates waiting where a span
+    overlaps the backward pass it was posted in, which only flatters the peers of a slow
+    machine, never the slow machine (its own works complete at once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spans: list[tuple[float, float]] = []
+
+    def track(self, work: object) -> None:
+        """Times `work` (a c10d work) from now to its completion."""
+        started = time.perf_counter()
+
+        def done(_: object) -> None:
+            with self._lock:
+                self._spans.append((started, time.perf_counter()))
+
+        work.get_future().add_done_callback(done)  # type: ignore[attr-defined]
+
+    def covered(self, start: float, end: float) -> float:
+        """Seconds of [start, end] inside some span; forgets spans that ended before
+        `start` (steps are measured in order)."""
+        with self._lock:
+            self._spans = [sp for sp in self._spans if sp[1] > start]
+            spans = sorted((max(a, start), min(b, end)) for a, b in self._spans if a < end)
+        total, reach = 0.0, start
+        for a, b in spans:
+            if b > reach:
+                total += b - max(a, reach)
+                reach = b
+        return total
+
+
+#: Every c10d work posted for a library goes through this clock.
+IN_FLIGHT = InFlightClock()
 
 
 @dataclass(frozen=True)
@@ -128,7 +181,8 @@ class StepTimer:
         self._queued_waiting = WAITS.queued_s
 
     def stop(self) -> StepTime:
-        seconds = time.perf_counter() - self._started
-        waited = WAITS.waited_s - self._waited
+        now = time.perf_counter()
+        seconds = now - self._started
+        waited = WAITS.waited_s - self._waited + IN_FLIGHT.covered(self._started, now)
         queued = (run_queue_s() - self._queued) - (WAITS.queued_s - self._queued_waiting)
         return StepTime(seconds=seconds, waited_s=waited, queued_s=max(0.0, queued))

@@ -60,9 +60,11 @@ from trainmover.runtime.groups import (
 )
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, Plan, RankRef
+from trainmover.runtime.progress import Progress, ProgressBoard, StallWatch
 from trainmover.runtime.records import open_record_store
 from trainmover.runtime.sandbox import Recorder
 from trainmover.runtime.shadow import ShadowFn, run_shadow
+from trainmover.runtime.standard import StandardTorch
 from trainmover.runtime.state import Stateful, TrainingState
 from trainmover.runtime.steptime import WAITS, StepTimer
 
@@ -143,6 +145,7 @@ class Runtime:
         self.signal = AbortSignal("e0", config.runtime.failure_timeout_s)
         self.signal.on_failure = self._on_collective_failure
         self._agreement: CommitAgreement | None = None
+        self._stalls: StallWatch | None = None  # names whoever holds a step back
         self._recovery: _Recovery | None = None
         self._superseded: set[str] = set()  # recover plans replaced by a newer one
         self._builders: list[GroupBuilder] = []
@@ -153,6 +156,8 @@ class Runtime:
         self._warm_rounds = 0
         self._recorder: Recorder | None = None
         self.records = open_record_store(config, run_dir, f"worker.{machine}.{local_rank}")
+        #: c10d groups, torchrun's environment and DDP (`trainmover.runtime.standard`).
+        self.torch = StandardTorch(config.layout, self.groups, self._install_initial)
         self.checkpoint_root = (
             Path(config.runtime.checkpoint_dir)
             if config.runtime.checkpoint_dir
@@ -254,6 +259,12 @@ class Runtime:
         )
         self._conn.notify(warmed)
 
+    def process_group(self, kind: str) -> dist.ProcessGroup:
+        """The stable c10d group of `kind` ("tp", "pp", "dp") of this rank's role, for
+        DDP, DeviceMesh.from_group or functional collectives (inside a shadow step: the
+        sandbox's). `dist.init_process_group()` installs the default group likewise."""
+        return self.torch.process_group(kind)
+
     def track(
         self,
         model: torch.nn.Module,
@@ -263,6 +274,7 @@ class Runtime:
     ) -> TrainingState:
         """Registers what a leaver sends its joiner (besides torch's global RNG), and
         gates `optimizer.step()` with the commit agreement (a step pre-hook)."""
+        self.torch.track(model)
         self._state = TrainingState(model, optimizer, stateful or {}, generators or {})
         optimizer.register_step_pre_hook(self._before_optimizer_step)
         return self._state
@@ -274,7 +286,13 @@ class Runtime:
         process; `steps()` then waits for `recover` and re-executes it."""
         try:
             yield
-        except StepAborted as exc:
+        except (StepAborted, RuntimeError) as exc:
+            # A collective failed inside DDP's reducer (or another library) surfaces as
+            # its own RuntimeError: the c10d group's failed work tells it from a bug.
+            if not isinstance(exc, StepAborted) and not (
+                self.torch.c10d_failed() or self.signal.is_set()
+            ):
+                raise
             if not self._committed_in_flight:
                 self._discarded = True
             self.log.warning("step_aborted", step=self._in_flight, error=str(exc)[:300])
@@ -288,9 +306,7 @@ class Runtime:
         left. Switches happen between two yields."""
         if self._state is None:
             raise RuntimeError("call track() before steps()")
-        if self._initial is not None:
-            self.groups.install(self._initial.wait(self._timeout_s))
-            self._initial = None
+        self._install_initial()
         joined = False
         if self._migration is not None and self._migration.part == "joiner":
             joined = self._join()  # False: a recovery took the migration's place
@@ -318,6 +334,7 @@ class Runtime:
                 self._in_flight = None
             if self._discarded:
                 self._state.restore_light(light)  # re-executed later with the same data
+                self._state.optimizer.zero_grad(set_to_none=True)  # a partial accumulation
                 self._end_recording(None)
                 self._conn.notify(
                     c.StepAbortedEvent(
@@ -330,6 +347,8 @@ class Runtime:
                 )
                 continue
             self._state.step = step
+            if self._stalls is not None:
+                self._stalls.step_done(measured.seconds)
             self._conn.notify(
                 c.StepDone(
                     step=step,
@@ -345,6 +364,13 @@ class Runtime:
             self._end_recording(step)
             self._maybe_checkpoint(step)
 
+    def _install_initial(self) -> None:
+        """The generation-0 groups, once built: at the first step, or earlier when the
+        loop's first c10d collective (a DDP constructor's) needs them."""
+        if self._initial is not None:
+            self.groups.install(self._initial.wait(self._timeout_s))
+            self._initial = None
+
     # -- per step: commit agreement, recording, checkpoints -----------------------------
 
     def _begin_step(self, step: int) -> None:
@@ -352,6 +378,8 @@ class Runtime:
             self._in_flight = step
             self._voted = self._discarded = self._committed_in_flight = False
         fault.at_step(step)
+        if self._stalls is not None:
+            self._stalls.board.progress.step = step
         if self._agreement is not None:
             self._agreement.begin(step)
         self._begin_recording(step)
@@ -364,6 +392,8 @@ class Runtime:
 
     def _vote(self, step: int) -> None:
         self._voted = True
+        if self._stalls is not None:
+            self._stalls.board.progress.voted = step
         if self._agreement is not None:
             with WAITS.waiting():  # waiting for the slowest voter is not computing
                 self._agreement.vote(step)  # raises StepAborted: nothing is applied
@@ -412,7 +442,36 @@ class Runtime:
                 committed,
                 self.config.runtime.failure_timeout_s,
             )
+            self._stalls = self._watch_stalls()
+            if self.config.runtime.stall_detection:
+                self._agreement.on_stall = self._stalls.stalled
+                stalls = self._stalls
+                # A rank blocked in a collective (nobody may have voted yet) asks too.
+                self.signal.on_wait = lambda waited: stalls.stalled(
+                    stalls.board.progress.epoch, stalls.board.progress.step, waited
+                )
         self._agreement.reset(epoch, committed)
+        assert self._stalls is not None
+        self._stalls.board.progress = Progress(epoch=epoch, step=committed, voted=committed)
+
+    def _watch_stalls(self) -> StallWatch:
+        """This rank's entry on the progress board, and its judgement of held-back steps."""
+        assert self.role is not None
+        lay = self.config.layout
+        board = ProgressBoard(
+            self._store_address,
+            self.config.job,
+            lay.global_rank(self.role),
+            lay.machines * lay.tp,
+            self.me.machine,
+        )
+
+        def report(stall: c.StallEvent) -> None:
+            self.log.error("step_held_back", step=stall.step, reason=stall.reason)
+            self._conn.notify(stall)
+
+        rt = self.config.runtime
+        return StallWatch(board, report, floor_s=rt.stall_floor_s, factor=rt.stall_factor)
 
     def _on_collective_failure(self, error: CollectiveError) -> None:
         """First failed collective of an epoch (training thread): report it, and abort
@@ -447,6 +506,8 @@ class Runtime:
         process) and reports the exit."""
         if self._agreement is not None:
             self._agreement.close()
+        if self._stalls is not None:
+            self._stalls.board.close()
         self.groups.shutdown()
         # Not waited for: a build abandoned in a rendezvous with a dead member ends only
         # at its timeout (a leaver whose first joiner died would hold its release, and
@@ -467,6 +528,7 @@ class Runtime:
             )
             atexit.register(_end_without_teardown, 1 if reason == "error" else 0)
         self.records.close()
+        self.torch.close()
         step = self._state.step if self._state else 0
         self.log.info("exit", reason=reason, step=step, error=error or None)
         if not self._conn.closed.is_set():
@@ -551,6 +613,7 @@ class Runtime:
             self._exit_reason = "left"
             return "left"
         retire(self.groups.install(built))
+        self.torch.installed([g.spec.kind for g in built])
         self._finish_migration(
             c.Switched(
                 plan_id=mig.plan.plan_id,
@@ -588,6 +651,7 @@ class Runtime:
             raise RuntimeError(f"leaver sent step {self._state.step}, commit was {mig.commit_step}")
         role_groups = [g for g in built if g.spec.kind != "transfer"]
         self.groups.install(role_groups)
+        self.torch.installed([g.spec.kind for g in role_groups])
         self._new_epoch(str(stats.extra.get("epoch", "e0")), self._state.step)
         self._finish_migration(
             c.Switched(
@@ -664,6 +728,7 @@ class Runtime:
                 transfer_s += stats.seconds
         # Shutting down never blocks, even with an abandoned work in a replaced group.
         retire(self.groups.install(built))
+        self.torch.installed([g.spec.kind for g in built])
         retire(pairs)
         self._new_epoch(plan.plan_id, self._state.step)
         with self._cond:
@@ -942,6 +1007,7 @@ class Runtime:
 
     def _take_role(self, role: Role) -> None:
         self.role = role
+        self.torch.take_role(role, self._store_address)
         self.log = self.log.bind(role=role.key, rank=self.config.layout.global_rank(role))
 
     def _builder(self, specs: list[GroupSpec], name: str) -> GroupBuilder:

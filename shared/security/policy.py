@@ -194,6 +194,9 @@ def _job_setup(s: JobSubjects) -> list[str]:
 
 
 def _planner(p: Permissions, s: JobSubjects) -> None:
+    # Standby heartbeats admit machines to the pool; step statistics name the slowest
+    # machine for a rebalance. Both arrive on subjects only each machine may publish.
+    p.add(subscribe=[s.heartbeats, s.all_stats])
     p.add(publish=[s.plans, s.progress, s.deadletter, s.events])
     p.add(publish=_job_setup(s))
     for what in ("EVENTS", "PLANS", "PROGRESS"):
@@ -213,7 +216,7 @@ def _executor(p: Permissions, s: JobSubjects) -> None:
 
 
 def _health_monitor(p: Permissions, s: JobSubjects) -> None:
-    p.add(subscribe=[s.heartbeats, s.all_stats, s.collective_errors])
+    p.add(subscribe=[s.heartbeats, s.all_stats, s.collective_errors, s.stalls])
     p.add(publish=[s.events, s.deadletter])
     p.add(publish=_job_setup(s))
     p.add(publish=kv_read(s.bucket))
@@ -227,6 +230,7 @@ def _sidecar(p: Permissions, s: JobSubjects, machine: str) -> None:
             s.heartbeat(machine),
             s.stats(machine),
             s.collective_error(machine),
+            s.stall(machine),
             s.deadletter,  # malformed commands it rejected
         ],
         subscribe=[s.command(machine)],

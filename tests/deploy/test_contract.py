@@ -6,11 +6,12 @@ import subprocess
 import sys
 
 import pytest
+from prometheus_client.utils import floatToGoString
 
 from tests.deploy.files import ROOT
 from trainmover import metric_names, ports
 from trainmover.cli import CliError, service_main
-from trainmover.metrics import Histogram, parse_text
+from trainmover.metrics import Registry, parse_text, render
 from trainmover.services.health_monitor import config as hm_config
 from trainmover.services.health_monitor.metrics import HealthMetrics
 
@@ -60,10 +61,7 @@ def test_each_built_service_accepts_the_contract_flags(service: str) -> None:
 
 
 def test_health_metric_names_are_the_registered_ones() -> None:
-    registered = {
-        m.name: m.label_names for m in vars(HealthMetrics()).values() if hasattr(m, "label_names")
-    }
-    assert registered == dict(metric_names.HEALTH)
+    assert HealthMetrics().registry.declared == dict(metric_names.HEALTH)
 
 
 def test_every_metric_name_is_unique_and_prefixed() -> None:
@@ -72,6 +70,7 @@ def test_every_metric_name_is_unique_and_prefixed() -> None:
         *metric_names.PLANNER,
         *metric_names.EXECUTOR,
         *metric_names.RENDEZVOUS,
+        *metric_names.SIDECAR,
     ]
     assert len(names) == len(set(names)) == len(metric_names.ALL)
     assert all(n.startswith("trainmover_") for n in names)
@@ -81,18 +80,18 @@ def test_slow_migration_threshold_is_a_downtime_bucket() -> None:
     """The slow-migration alert subtracts the bucket at the threshold from +Inf, so the
     threshold must be a bucket, written the way the registry writes `le`."""
     assert metric_names.SLOW_MIGRATION_S in metric_names.MIGRATION_DOWNTIME_BUCKETS
-    hist = Histogram(
+    registry = Registry()
+    hist = registry.histogram(
         metric_names.MIGRATION_DOWNTIME, "", (), metric_names.MIGRATION_DOWNTIME_BUCKETS
     )
     hist.observe(metric_names.SLOW_MIGRATION_S)
-    scraped = parse_text("\n".join(hist.samples()))
+    scraped = parse_text(render(registry).decode())
     assert f'{metric_names.MIGRATION_DOWNTIME}_bucket{{le="{slow_le()}"}}' in scraped
 
 
 def slow_le() -> str:
     """The `le` label value of the SLOW_MIGRATION_S bucket, as exposed."""
-    value = metric_names.SLOW_MIGRATION_S
-    return str(int(value)) if value == int(value) else repr(value)
+    return floatToGoString(metric_names.SLOW_MIGRATION_S)
 
 
 def test_failed_outcomes_are_terminal_states() -> None:

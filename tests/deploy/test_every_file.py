@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tests.deploy import (
     test_docker,
+    test_grafana,
     test_kubernetes,
     test_monitoring_files,
     test_slurm,
@@ -16,6 +17,7 @@ from tests.integration import test_alertmanager, test_prometheus
 
 MODULES = [
     test_docker,
+    test_grafana,
     test_kubernetes,
     test_monitoring_files,
     test_slurm,

@@ -96,6 +96,12 @@ async def drain_through_fault(
     )
     assert {state.machines[m].status for m in ("m1", "m2")} <= {"maintenance", "standby"}
     assert state.machines["s0"].status == "active"
+    # Both migrations are behind: the stayers train at full speed to the end again (0
+    # undoes the slow-down; the joiners never had it).
+    for machine in ("m0", "m3"):
+        fast = Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": 0.0})
+        reply = await bus.request(cluster.nc, fast)
+        assert reply.ok, reply.error
 
     # A retried publish of the acked event after the restart is dropped as a duplicate.
     ack = await bus.publish_durable(

@@ -122,7 +122,7 @@ async def test_burst_of_5000_alerts_in_a_separate_process(
         assert scraped['trainmover_health_alerts_total{outcome="duplicate"}'] == known - MACHINES
         # Unknown machines: one dead letter each at most, the rest only counted.
         published = scraped[
-            f'trainmover_health_dead_letters_total{{job="{job}",category="unknown_machine"}}'
+            f'trainmover_health_dead_letters_total{{category="unknown_machine",job="{job}"}}'
         ]
         suppressed = scraped[
             'trainmover_health_dead_letters_suppressed_total{category="unknown_machine"}'

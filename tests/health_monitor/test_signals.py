@@ -124,13 +124,25 @@ async def test_collective_error_names_the_peer_and_unknown_machines_are_dead_let
     await nc.publish(subjects.heartbeat("m0"), b"{not json")
     await letters.wait_for(lambda d: "malformed JSON" in d.reason)
 
-    for reporter in ("m0", "m1"):  # two stayers blame the same peer: one event
+    # m0 (dp0, pp0) shares no group with m3 (dp1, pp1): it cannot blame it.
+    forged = CollectiveErrorReport(
+        job=job, machine="m0", peer="m3", group="dp.p1.t0", error="Connection closed by peer"
+    )
+    await nc.publish(subjects.collective_error("m0"), forged.to_json())
+    letter = await letters.wait_for(lambda d: "cannot blame m3" in d.reason)
+    assert "m0 not in group 'dp.p1.t0'" in letter.reason, letter.reason
+    nowhere = forged.model_copy(update={"machine": "m1", "group": "dp0"})
+    await nc.publish(subjects.collective_error("m1"), nowhere.to_json())
+    await letters.wait_for(lambda d: "has no group 'dp0'" in d.reason)
+
+    # Two stayers that share a group with m3 blame it: one event.
+    for reporter, group in (("m1", "dp.p1.t0"), ("m2", "pp.d1.t0")):
         report = CollectiveErrorReport(
-            job=job, machine=reporter, peer="m3", group="dp0", error="Connection closed by peer"
+            job=job, machine=reporter, peer="m3", group=group, error="Connection closed by peer"
         )
         await nc.publish(subjects.collective_error(reporter), report.to_json())
     event = await events.wait_for(is_event("m3", source="collective_error"))
-    assert "reported by m0" in event.reason and "dp0" in event.reason
+    assert "reported by m1" in event.reason and "dp.p1.t0" in event.reason
 
     ghost_report = CollectiveErrorReport(
         job=job, machine="m0", peer="nobody", group="tp", error="x"

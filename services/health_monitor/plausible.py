@@ -1,0 +1,121 @@
+"""Plausibility of well-formed signals, pure: what a machine may claim about others.
+
+A signal is believed only from the machine it is about (the subject says who sent it,
+and under `--auth` only that machine's credentials may publish there), and only if it
+is plausible:
+
+- a collective-error report blames a peer only if the reporter and the peer are both
+  members of the named group *as the cluster state has it now* (a group of the layout
+  and the machines holding its roles, or a transfer pair of an in-flight plan): a
+  sidecar cannot fail a machine it shares no group with;
+- a stall report (a voter's progress board names the ranks holding a step back) is
+  believed only from a machine holding a role, about other machines holding roles whose
+  ranks they are, and only while the step statistics agree: a machine that reported the
+  step done was not holding it back;
+- step statistics advance within bounds: a machine's step may run at most `max_lead`
+  steps ahead of the other machines of the job (synchronous training keeps them within
+  a step or two), so a stream that jumps to step 10,000,000 is not believed, and it
+  cannot push the machine's history past the real steps that follow.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from trainmover.messages import ClusterState, CollectiveErrorReport, StallReport
+from trainmover.runtime.layout import ROLE_GROUP_KINDS
+
+HOLDING = ("active", "leaving", "joining")
+"""Statuses whose machine is (or is about to be) a member of its groups."""
+
+
+def group_machines(state: ClusterState, group: str) -> set[str] | None:
+    """The machines in `group` now; None when the job has no group of that name."""
+    layout = state.layout
+    machines: set[str] = set()
+    for plan in state.in_flight.values():
+        for spec in [*plan.groups, *plan.transfers]:
+            if spec.name == group:
+                machines |= {ref.machine for ref in spec.members}
+    if group not in layout.all_groups():
+        return machines or None
+    for name, m in state.machines.items():
+        if m.cell is None or m.status not in HOLDING:
+            continue
+        names = {
+            layout.group_name(kind, role)
+            for role in layout.roles_of(m.cell)
+            for kind in ROLE_GROUP_KINDS
+        }
+        if group in names:
+            machines.add(name)
+    return machines
+
+
+def collective_error_problem(state: ClusterState, report: CollectiveErrorReport) -> str | None:
+    """Why `report` is not believed, or None when it is plausible."""
+    if report.peer == report.machine:
+        return f"{report.machine} blames itself: nothing to move"
+    members = group_machines(state, report.group)
+    if members is None:
+        return f"job {state.job!r} has no group {report.group!r}"
+    outside = sorted({report.machine, report.peer} - members)
+    if outside:
+        return (
+            f"{', '.join(outside)} not in group {report.group!r} now "
+            f"(its machines: {', '.join(sorted(members)) or 'none'}): "
+            f"{report.machine} cannot blame {report.peer} for it"
+        )
+    return None
+
+
+def stall_problem(
+    state: ClusterState, report: StallReport, last_step: dict[str, int]
+) -> str | None:
+    """Why `report` is not believed (`last_step`: each machine's last believed step)."""
+    layout = state.layout
+    reporter = state.machines.get(report.machine)
+    if reporter is None or reporter.cell is None or reporter.status not in HOLDING:
+        return f"{report.machine} holds no role: it has no vote to wait on"
+    if report.machine in report.culprits:
+        return f"{report.machine} names itself"
+    for machine, ranks in sorted(report.culprits.items()):
+        m = state.machines.get(machine)
+        if m is None or m.cell is None or m.status not in HOLDING:
+            return f"{machine} holds no role: it cannot hold step {report.step} back"
+        own = {layout.global_rank(role) for role in layout.roles_of(m.cell)}
+        if not set(ranks) <= own:
+            return f"ranks {sorted(set(ranks) - own)} are not {machine}'s"
+        if last_step.get(machine, -1) >= report.step:
+            return f"{machine} reported step {last_step[machine]} done: not held back"
+    return None
+
+
+@dataclass
+class StepBounds:
+    """Each machine's last believed step in each job; judges the next one."""
+
+    max_lead: int = 100
+    _last: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def check(self, job: str, machine: str, step: int) -> str | None:
+        """Why `step` of `machine` is not believed (None: it is, and it is recorded)."""
+        steps = self._last.setdefault(job, {})
+        others = [s for m, s in steps.items() if m != machine]
+        if others:
+            reference = statistics.median(others)
+            if step > reference + self.max_lead:
+                return (
+                    f"step {step} of {machine} is more than {self.max_lead} steps ahead of "
+                    f"the job (its other machines are at step {reference:g})"
+                )
+        steps[machine] = step
+        return None
+
+    def forget(self, job: str, machine: str) -> None:
+        self._last.get(job, {}).pop(machine, None)
+
+    def last(self, job: str) -> dict[str, int]:
+        """Each machine's last believed step in `job`."""
+        return dict(self._last.get(job, {}))

@@ -1,0 +1,259 @@
+# The stubs of c10d's C++ ProcessGroup describe its own bindings, not a Python subclass
+# that overrides them (the pybind trampoline calls these methods by name).
+# mypy: disable-error-code="override, assignment"
+"""Reconfigurable c10d process groups: one stable `torch.distributed.ProcessGroup` per group.
+
+Standard PyTorch code (DDP, DeviceMesh, functional collectives, PipelineStage) holds on
+to a `ProcessGroup` object, so the runtime hands out a `SwappableGroup` per group kind
+(tp, pp, dp) that lives as long as the job: a Python subclass of the c10d class, built
+with the rank and size of its group so that the C++ side sees them, registered by name
+(`_register_pg_in_world`) so that `_resolve_process_group(name)` finds it. Each
+collective is forwarded to the backend of the runtime's current `Group` of that kind
+(gloo on CPU, NCCL on CUDA); a migration installs a new-generation `Group`, and the same
+object forwards to it from the next call on. Groups outside the delta are never touched.
+
+Rules the forwarding follows (torch 2.13): `getBackendName` is not "gloo" (DDP would
+look for a gloo backend on the wrapper), the wrapper answers its own name, methods take
+keyword arguments (`dist.barrier` passes `opts=`), and both names of the renamed
+collectives are defined. A collective the runtime's groups do not support raises
+`UnsupportedCollective` at once, naming the call and the fix, instead of hanging.
+
+Every work posted is tracked by its `Group` (`Group.track`), so a failed or abandoned
+collective marks the group dirty and is reported through the rank's abort signal, as
+for the runtime's own collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch._C import _distributed_c10d as _c10d
+from torch.distributed.distributed_c10d import GroupName
+
+from trainmover.runtime import fault
+from trainmover.runtime.groups import Group
+
+#: What `getBackendName` answers (never "gloo": see the module docstring).
+BACKEND_NAME = "trainmover"
+
+
+class UnsupportedCollective(RuntimeError):
+    """A collective the reconfigurable groups do not forward."""
+
+
+class GroupNotReady(RuntimeError):
+    """A collective on a group whose runtime group is not installed yet."""
+
+
+def completed_work(value: Any = None) -> dist.Work:
+    """A work item that is already done (a collective answered locally)."""
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(value)
+    return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+
+
+def _each(
+    collective: Callable[[torch.Tensor, torch.Tensor, Any], Any],
+    outputs: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    opts: Any,
+) -> Any:
+    """A coalesced collective as one collective per pair (gloo has no coalesced variant);
+    the last work stands for all, since works of one group complete in order."""
+    work = None
+    for output, input in zip(outputs, inputs, strict=True):
+        work = collective(output, input, opts)
+    return work if work is not None else completed_work()
+
+
+class SwappableGroup(dist.ProcessGroup):
+    """A c10d ProcessGroup whose collectives go to the runtime's current group of one kind.
+
+    `current` returns that group (it changes at a switch); rank and size are fixed for
+    the job's life, because a joiner takes exactly its leaver's group rank."""
+
+    def __init__(self, name: str, rank: int, size: int, current: Callable[[], Group | None]):
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self._name = name
+        self._current = current
+        self._set_group_name(GroupName(name))
+
+    # -- identity -----------------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return BACKEND_NAME
+
+    def _get_backend_name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def getGroupName(self) -> str:  # noqa: N802 - c10d's name
+        return self._name
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    # -- forwarding ---------------------------------------------------------------------
+
+    def _group(self, call: str) -> Group:
+        group = self._current()
+        if group is None:
+            raise GroupNotReady(
+                f"{call} on process group {self._name!r} before the runtime installed it: "
+                "run collectives inside `for step in rt.steps()` (or the shadow step)"
+            )
+        return group
+
+    def _post(self, call: str, start: Callable[[Any], Any]) -> Any:
+        group = self._group(call)
+        work = group.track(call, lambda: start(group.backend))
+        if call == "allreduce" and group.spec.kind == "dp":
+            fault.point("dp-allreduce")  # test-only: a machine dies mid all-reduce
+        return work
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        return self._post("allreduce", lambda b: b.allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        return self._post("allreduce_coalesced", lambda b: b.allreduce_coalesced(tensors, opts))
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> Any:
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        return self._post("broadcast", lambda b: b.broadcast(tensors, opts))
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        return self._post("allgather", lambda b: b.allgather(output_tensors, input_tensors, opts))
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        return self._post("all_gather_single", lambda b: b._allgather_base(output, input, opts))
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        return _each(self._allgather_base, outputs, inputs, opts)
+
+    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._post(
+            "reduce_scatter", lambda b: b.reduce_scatter(output_tensors, input_tensors, opts)
+        )
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Any:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._post(
+            "reduce_scatter_single", lambda b: b._reduce_scatter_base(output, input, opts)
+        )
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        return _each(self._reduce_scatter_base, outputs, inputs, opts)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Any:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self._post(
+            "all_to_all_single",
+            lambda b: b.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts),
+        )
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self._post("alltoall", lambda b: b.alltoall(output_tensors, input_tensors, opts))
+
+    def reduce(self, tensors: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        return self._post("reduce", lambda b: b.reduce(tensors, opts))
+
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.GatherOptions()
+        return self._post("gather", lambda b: b.gather(output_tensors, input_tensors, opts))
+
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        return self._post("scatter", lambda b: b.scatter(output_tensors, input_tensors, opts))
+
+    def barrier(self, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.BarrierOptions()
+        return self._post("barrier", lambda b: b.barrier(opts))
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:  # noqa: N803
+        return self._post("send", lambda b: b.send(tensors, dstRank, tag))
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:  # noqa: N803
+        return self._post("recv", lambda b: b.recv(tensors, srcRank, tag))
+
+    # -- refused ------------------------------------------------------------------------
+
+    def _unsupported(self, call: str, fix: str) -> UnsupportedCollective:
+        return UnsupportedCollective(
+            f"{call} on process group {self._name!r}: not supported by TrainMover's "
+            f"reconfigurable groups; {fix}"
+        )
+
+    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported("recv_anysource", "receive from an explicit source rank")
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported("monitored_barrier", "use dist.barrier")
+
+    def split_group(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported(
+            "split_group", "take each dimension's group from the runtime (rt.process_group)"
+        )
+
+    def merge_remote_group(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported("merge_remote_group", "groups come from the job config's layout")
+
+
+def register(pg: SwappableGroup, global_ranks: list[int], store: dist.Store) -> None:
+    """Makes `pg` findable by name (functional collectives, DeviceMesh) with its global
+    ranks; `global_ranks[i]` is group rank i's rank in the default group."""
+    c10d._register_pg_in_world(
+        pg,
+        BACKEND_NAME,
+        store,
+        GroupName(pg.group_name),
+        BACKEND_NAME,
+        rank_mapping={g: i for i, g in enumerate(global_ranks)},
+    )
+
+
+def unregister(pg: SwappableGroup) -> None:
+    """Forgets `pg` (a sandbox's groups, when its shadow round ends)."""
+    world = c10d._world
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config):
+        table.pop(pg, None)
+    for tag, pgs in list(world.tags_to_pg.items()):
+        world.tags_to_pg[tag] = [p for p in pgs if p is not pg]
+    world.pg_to_tag.pop(pg, None)
+    c10d._unregister_process_group(GroupName(pg.group_name))

@@ -1,0 +1,251 @@
+"""Naming the ranks that hold a step back: a progress board in the rendezvous store.
+
+A hung machine (frozen, deadlocked, spinning, cut off) does not crash: its peers wait on
+it in a collective or in the commit vote, and nothing fails until a timeout. A waiting
+rank knows that a step is held back; what it needs is *who*. Every rank keeps an entry on the job's progress board in the store,
+rewritten by a daemon thread every `interval_s` (one small write; training never waits
+for it):
+
+    {job}/progress/{rank} = {"m": machine, "e": epoch, "s": step in flight,
+                             "v": last step voted, "w": waiting in a collective,
+                             "n": a counter that grows with every write}
+
+A rank that has waited longer than `threshold` (a few times the recent median step,
+bounded below by a floor) in a collective of step k, or for the decision of k after its
+vote, claims the judgement of (epoch, k) in the store (one rank judges) and reads the
+board twice, `2 * interval_s` apart. Most hangs hold every other rank in a collective
+before anyone votes (the gradient all-reduce comes first), so waiting anywhere counts.
+A rank that has not voted for k is
+
+- *frozen* when its counter did not move (the whole process is stopped, or cut off
+  from the store): a culprit;
+- *computing* when it is not waiting in a collective (spinning outside any collective,
+  stuck in its own code) and past its first step of the epoch: a culprit;
+- *waiting* in a collective otherwise: a victim of a culprit (its peer holds it back).
+
+The machines of the culprits are reported (a `StallEvent`) through the sidecar to the
+health-monitor, which declares them failed; the fence and the recovery follow as for a
+crash. When every rank is slow alike, voters do not wait long and nobody is named; a
+machine that is slow but progressing finishes its step before the threshold and stays a
+straggler case.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainmover.runtime.control import StallEvent
+from trainmover.runtime.steptime import WAITS
+
+#: How often each rank rewrites its entry on the board.
+INTERVAL_S = 0.25
+#: Steps a rank must have timed before it judges others.
+MIN_HISTORY = 3
+
+
+@dataclass
+class Progress:
+    """What the training thread tells the beacon (plain fields, read by its thread)."""
+
+    epoch: str = "e0"
+    step: int = 0
+    voted: int = -1
+    #: Steps this rank completed in this epoch: its first one (lazy initialisation, a
+    #: joiner's first iteration, a loaded host) is not judged as computing too long.
+    done: int = 0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One rank's entry as read from the board."""
+
+    machine: str
+    epoch: str
+    step: int
+    voted: int
+    waiting: bool
+    counter: int
+    done: int = 0
+
+    @staticmethod
+    def parse(raw: bytes) -> Entry | None:
+        try:
+            d = json.loads(raw)
+            return Entry(
+                d["m"], d["e"], int(d["s"]), int(d["v"]), bool(d["w"]), int(d["n"]), int(d["f"])
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def judge(
+    epoch: str,
+    step: int,
+    first: dict[int, Entry | None],
+    second: dict[int, Entry | None],
+) -> tuple[dict[str, list[int]], dict[int, str]]:
+    """Pure: culprit machine -> ranks, and rank -> what each rank that has not voted for
+    `step` in `epoch` is doing ("frozen", "computing", "waiting"), from two reads."""
+    culprits: dict[str, list[int]] = {}
+    doing: dict[int, str] = {}
+    for rank, now in sorted(second.items()):
+        before = first.get(rank)
+        if now is None:
+            continue  # never wrote: not started yet, nothing to say
+        if now.epoch == epoch and now.voted >= step:
+            continue
+        if before is not None and before.counter == now.counter:
+            doing[rank] = "frozen"
+        elif not now.waiting and now.done > 0:
+            doing[rank] = "computing"
+        else:
+            # Waiting on someone else, or still in its first step of the epoch.
+            doing[rank] = "waiting" if now.waiting else "starting"
+            continue
+        culprits.setdefault(now.machine, []).append(rank)
+    return culprits, doing
+
+
+class ProgressBoard:
+    """This rank's beacon on the board, and the judgement of a stalled step."""
+
+    def __init__(
+        self,
+        store_address: str,
+        job: str,
+        rank: int,
+        world: int,
+        machine: str,
+        interval_s: float = INTERVAL_S,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.job, self.rank, self.world, self.machine = job, rank, world, machine
+        self.interval_s = interval_s
+        self.progress = Progress()
+        self._training_thread = threading.get_ident()
+        host, _, port = store_address.rpartition(":")
+        self._store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)
+        )
+        self._lock = threading.Lock()  # one store client, two threads
+        self._counter = 0
+        self._closed = threading.Event()
+        threading.Thread(target=self._beat, name="progress-beacon", daemon=True).start()
+
+    def key(self, rank: int) -> str:
+        return f"{self.job}/progress/{rank}"
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _beat(self) -> None:
+        while not self._closed.is_set():
+            p = self.progress
+            self._counter += 1
+            entry = {
+                "m": self.machine,
+                "e": p.epoch,
+                "s": p.step,
+                "v": p.voted,
+                "w": WAITS.is_waiting(self._training_thread),
+                "n": self._counter,
+                "f": p.done,
+            }
+            try:
+                with self._lock:
+                    self._store.set(self.key(self.rank), json.dumps(entry))
+            except RuntimeError:
+                pass  # the store is away: the judge then sees this rank frozen
+            self._closed.wait(self.interval_s)
+
+    def read(self) -> dict[int, Entry | None]:
+        """Every rank's entry (None where it has written none yet)."""
+        keys = [self.key(r) for r in range(self.world)]
+        with self._lock:
+            present = [k for k in keys if self._store.check([k])]
+            values = self._store.multi_get(present) if present else []
+        found = dict(zip(present, values, strict=True))
+        return {r: Entry.parse(found[k]) if k in found else None for r, k in enumerate(keys)}
+
+    def claim(self, epoch: str, step: int, attempt: int) -> bool:
+        """True for the one rank that judges (epoch, step) this time."""
+        key = f"{self.job}/stall/{epoch}/{step}/{attempt}"
+        with self._lock:
+            return self._store.compare_set(key, "", str(self.rank)).decode() == str(self.rank)
+
+    def examine(
+        self, epoch: str, step: int, waited_s: float, median_step_s: float
+    ) -> StallEvent | None:
+        """Reads the board twice and names the culprits of (epoch, step), if any."""
+        first = self.read()
+        time.sleep(2 * self.interval_s)  # on the waiting training thread: it waits anyway
+        second = self.read()
+        culprits, doing = judge(epoch, step, first, second)
+        if not culprits:
+            return None
+        waited_s += 2 * self.interval_s
+        parts = []
+        for machine, ranks in sorted(culprits.items()):
+            what = sorted({doing[r] for r in ranks})
+            listed = ", ".join(f"r{r}" for r in ranks)
+            parts.append(f"ranks {listed} of {machine} ({'/'.join(what)})")
+        factor = waited_s / median_step_s if median_step_s > 0 else float("inf")
+        reason = (
+            f"no progress: {'; '.join(parts)} did not reach the vote of step {step} for "
+            f"{waited_s:.1f}s, {factor:.0f}x the median step"
+        )
+        return StallEvent(
+            epoch=epoch,
+            step=step,
+            culprits=culprits,
+            reason=reason,
+            waited_s=waited_s,
+            median_step_s=median_step_s,
+            t=time.time(),
+        )
+
+
+@dataclass
+class StallWatch:
+    """Decides when a voter judges: after `threshold_s()` of waiting for a decision, and
+    again after each further threshold while nobody could be named."""
+
+    board: ProgressBoard
+    report: Callable[[StallEvent], None]
+    floor_s: float = 1.5
+    factor: float = 5.0
+    recent: list[float] = field(default_factory=list)
+    _judged: tuple[str, int, int] | None = None
+
+    def step_done(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        del self.recent[:-32]
+        self.board.progress.done += 1
+
+    def median_step_s(self) -> float:
+        ordered = sorted(self.recent)
+        return ordered[len(ordered) // 2] if ordered else 0.0
+
+    def threshold_s(self) -> float:
+        return max(self.floor_s, self.factor * self.median_step_s())
+
+    def stalled(self, epoch: str, step: int, waited_s: float) -> None:
+        """Called while this rank waits for the decision of `step`."""
+        if len(self.recent) < MIN_HISTORY or self.board.progress.done < 1:
+            return  # no step time to judge against yet (start, recovery, joining)
+        attempt = int(waited_s // self.threshold_s())
+        if attempt < 1 or self._judged == (epoch, step, attempt):
+            return
+        self._judged = (epoch, step, attempt)
+        if not self.board.claim(epoch, step, attempt):
+            return
+        stall = self.board.examine(epoch, step, waited_s, self.median_step_s())
+        if stall is not None:
+            self.report(stall)

@@ -1,0 +1,94 @@
+"""The standard-PyTorch face of a worker's runtime: c10d groups, torchrun env, DDP.
+
+`StandardTorch` is what `Runtime` delegates to so that a torchrun script runs under it:
+once the rank has a role it sets torchrun's environment and makes the role's
+`ProcessGroups` live (`dist.init_process_group()` then installs the runtime's group), it
+keeps the DDP models the loop tracked and realigns their reducers after a switch that
+replaced their group, and it tells a step that DDP's reducer failed in (a c10d work with
+an error) from a bug of the loop.
+
+Before a joiner switches in, its groups are sandboxed stand-ins (`SandboxGroup`: every
+collective answered locally), so a DDP it builds for its role runs its start-up
+collectives without talking to the live job; the switch replaces them with the live
+groups, and every member then realigns together.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from trainmover.runtime import pgs
+from trainmover.runtime.groups import Group, GroupTable
+from trainmover.runtime.layout import Layout, Role
+from trainmover.runtime.plan import GroupSpec, RankRef
+from trainmover.runtime.sandbox import SandboxGroup, SandboxStats
+
+
+class StandardTorch:
+    """One worker's c10d groups, tracked DDP models and torchrun environment."""
+
+    def __init__(self, layout: Layout, groups: GroupTable, before_use: Callable[[], None]):
+        self.layout = layout
+        self.groups = groups
+        #: Installs the rank's initial groups if they are still being built: a DDP
+        #: constructed before the first step needs its real group.
+        self._before_use = before_use
+        self.live: pgs.ProcessGroups | None = None
+        self._standins: dict[str, Group] = {}
+        self._ddp: list[tuple[torch.nn.Module, str]] = []
+        pgs.install_hooks()
+
+    def take_role(self, role: Role, store_address: str) -> None:
+        """The rank has a role: torchrun's environment, and its c10d groups go live."""
+        pgs.set_torchrun_env(self.layout, role, self.layout.tp, store_address)
+        if self.live is None:
+            self.live = pgs.ProcessGroups(self.layout, role, self._current, dist.HashStore())
+            pgs.make_live(self.live)
+
+    def _current(self, kind: str) -> Group | None:
+        self._before_use()
+        return self.groups.get(kind) or self._standin(kind)
+
+    def _standin(self, kind: str) -> Group:
+        group = self._standins.get(kind)
+        if group is None:
+            assert self.live is not None
+            role = self.live.role
+            members = self.layout.group_members(kind, role)  # type: ignore[arg-type]
+            spec = GroupSpec(
+                name=f"standin.{kind}",
+                kind=kind,  # type: ignore[arg-type]
+                generation=0,
+                members=[RankRef(machine="sandbox", local_rank=i) for i in range(len(members))],
+            )
+            seed = zlib.crc32(f"standin/{role.key}/{kind}".encode())
+            group = SandboxGroup(spec, members.index(role), {}, SandboxStats(), seed)
+            self._standins[kind] = group
+        return group
+
+    def process_group(self, kind: str) -> dist.ProcessGroup:
+        return pgs.active().get(kind)
+
+    def track(self, model: torch.nn.Module) -> None:
+        """Remembers a DDP model (refusing one over a group the runtime does not own)."""
+        if pgs.is_ddp(model) and self.live is not None:
+            self._ddp.append((model, pgs.check_ddp(model, self.live)))  # type: ignore[arg-type]
+
+    def installed(self, kinds: list[str]) -> None:
+        """After a switch installed new groups of `kinds`: every DDP over one of them is
+        realigned (all its members do this at the same boundary)."""
+        for model, kind in self._ddp:
+            if kind in kinds:
+                pgs.realign(model)  # type: ignore[arg-type]
+
+    def c10d_failed(self) -> bool:
+        """A c10d work of one of the rank's groups failed (reported through the abort
+        signal by the group)."""
+        return any([g.c10d_failure() is not None for g in self.groups.values()])
+
+    def close(self) -> None:
+        pgs.remove_hooks()

@@ -1,0 +1,92 @@
+"""A hung machine is named from the job's progress and moved, with no timeout to tune.
+
+Both worker processes of m1 are frozen with SIGSTOP (alive, sockets open, the sidecar
+still heartbeating): the ranks that voted see the step held back, the progress board
+names m1's ranks, m1 is declared failed, fenced (SIGKILL ends a stopped process too)
+and its role moves to a standby from its replica, long before the 120 s collective
+timeout. A job whose every machine is slowed alike is not blamed on anyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from nats.aio.msg import Msg
+
+from tests.e2e.conftest import STEPS, WAIT_S
+from trainmover import bus
+from trainmover.localcluster import LocalCluster as Cluster
+from trainmover.messages import Command, FailureEvent, Heartbeat, decode
+from trainmover.subjects import JobSubjects
+
+pytestmark = pytest.mark.timeout(900)
+
+
+async def _worker_pids(cluster: Cluster, machine: str) -> list[int]:
+    """The pids of `machine`'s running workers, from its next heartbeat."""
+    found: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+
+    async def on_beat(msg: Msg) -> None:
+        beat = decode(Heartbeat, msg.data)
+        pids = [w.pid for w in beat.workers if w.pid is not None and w.state == "running"]
+        if len(pids) == len(beat.workers) and pids and not found.done():
+            found.set_result(pids)
+
+    sub = await cluster.nc.subscribe(JobSubjects(cluster.job).heartbeat(machine), cb=on_beat)
+    try:
+        return await asyncio.wait_for(found, WAIT_S)
+    finally:
+        await sub.unsubscribe()
+
+
+async def _slow_all(cluster: Cluster, extra_s: float) -> None:
+    for machine in ("m0", "m1", "m2", "m3"):
+        slow = Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": extra_s})
+        reply = await bus.request(cluster.nc, slow, timeout=10.0, deadline_s=WAIT_S)
+        assert reply.ok, reply.error
+
+
+async def test_frozen_workers_are_named_and_moved(cluster: Cluster, reference) -> None:
+    await cluster.wait_step("m1", 10, WAIT_S)
+    await cluster.wait_standbys_warm(WAIT_S)
+    pids = await _worker_pids(cluster, "m1")
+    async with cluster.client.watch(cluster.job) as items:
+        failures: list[FailureEvent] = []
+
+        async def collect() -> None:
+            async for item in items:
+                if isinstance(item, FailureEvent):
+                    failures.append(item)
+
+        collector = asyncio.create_task(collect())
+        try:
+            # The control case: everyone slower alike for a while names nobody.
+            await _slow_all(cluster, 0.3)
+            now = max(cluster.steps.values())
+            await cluster.wait_step("m0", now + 8, WAIT_S)
+            await _slow_all(cluster, 0.0)
+            assert failures == []
+
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            state = await cluster.wait_state(lambda s: bool(s.in_flight), WAIT_S)
+        finally:
+            collector.cancel()
+    (plan,) = state.in_flight.values()
+    assert plan.migration == "unplanned" and [m.leaver for m in plan.moves] == ["m1"]
+    (event,) = [f for f in failures if f.machine == "m1"]
+    assert event.source == "no_progress", event
+    assert "no progress: ranks" in event.reason and "of m1" in event.reason
+    done = await cluster.client.wait_for_migration(cluster.job, plan.event_id, timeout=WAIT_S)
+    assert done.state == "done", done.detail
+
+    # Fenced: the frozen processes are gone (killed, not left stopped in place).
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finished = await cluster.wait_finished(WAIT_S)
+    assert "m1" not in finished and done.joiner in finished
+    assert cluster.mismatches(reference, STEPS) == []

@@ -1,0 +1,128 @@
+"""One rank of `test_c10d.py`: `python -m tests.runtime.c10d_rank RANK SIZE PORT OUT`.
+
+Trains two identical DDP models over the runtime's c10d groups of a DP-only layout; the
+first one's DP group gets a new-generation inner group (new store prefix, same members)
+after step 3 and its reducer is realigned, the second one's never. Writes what the test
+checks to OUT (a torch file): both models' final parameters, what functional collectives
+and dist.* wrappers returned before and after the swap, and the errors of refused calls.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainmover.runtime import pgs as P
+from trainmover.runtime.groups import GroupTable, build_group
+from trainmover.runtime.layout import Layout, Role
+from trainmover.runtime.plan import GroupSpec, RankRef
+
+STEPS, SWAP_AFTER = 6, 3
+CPU = torch.device("cpu")
+
+
+def spec(name: str, kind: str, generation: int, ranks: list[int]) -> GroupSpec:
+    members = [RankRef(machine=f"m{i}", local_rank=0) for i in ranks]
+    return GroupSpec(name=name, kind=kind, generation=generation, members=members)  # type: ignore[arg-type]
+
+
+def table(store: dist.Store, rank: int, size: int, name: str) -> GroupTable:
+    me = RankRef(machine=f"m{rank}", local_rank=0)
+    t = GroupTable()
+    t.install(
+        [
+            build_group(
+                spec(f"{name}.{kind}.{rank if kind != 'dp' else ''}", kind, 0, members),
+                me,
+                store,
+                "j",
+                CPU,
+                30,
+            )
+            for kind, members in (("dp", list(range(size))), ("tp", [rank]), ("pp", [rank]))
+        ]
+    )
+    return t
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def train_step(model: DDP, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    gen = torch.Generator().manual_seed(step * 100 + rank)
+    opt.zero_grad()
+    model(torch.randn(4, 8, generator=gen)).square().mean().backward()
+    opt.step()
+
+
+def main(rank: int, size: int, port: int, out: str) -> int:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    layout = Layout(tp=1, pp=1, dp=size)
+    role = Role(dp=rank, pp=0, tp=0)
+    swapped, steady = table(store, rank, size, "a"), table(store, rank, size, "b")
+    pgs_a = P.ProcessGroups(layout, role, swapped.get, store, prefix="a.")
+    pgs_b = P.ProcessGroups(layout, role, steady.get, store, prefix="b.")
+    P.install_hooks()
+    result: dict[str, object] = {}
+    with P.activated(pgs_a, default=False):
+        dist.init_process_group("gloo")  # a torchrun script's own call
+        result["default_is_dp"] = dist.group.WORLD is pgs_a.get("dp")
+        result["rank"], result["world"] = dist.get_rank(), dist.get_world_size()
+        try:
+            dist.init_process_group("gloo", world_size=size + 1)
+        except P.LayoutMismatch as exc:
+            result["mismatch"] = str(exc)
+        try:
+            dist.new_group([0])
+        except Exception as exc:
+            result["new_group"] = f"{type(exc).__name__}: {exc}"
+        try:
+            dist.recv(torch.zeros(1), group=pgs_a.get("dp"))  # no source: recv_anysource
+        except Exception as exc:
+            result["anysource"] = f"{type(exc).__name__}: {exc}"
+    a = DDP(make_model(), process_group=pgs_a.get("dp"))
+    b = DDP(make_model(), process_group=pgs_b.get("dp"))
+    opt_a = torch.optim.AdamW(a.parameters(), lr=0.01)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=0.01)
+    name = pgs_a.get("dp").group_name
+    for step in range(1, STEPS + 1):
+        train_step(a, opt_a, step, rank)
+        train_step(b, opt_b, step, rank)
+        if step == SWAP_AFTER:
+            result["funcol_before"] = funcol.all_reduce(
+                torch.full((2,), rank + 1.0), "sum", name
+            ).wait()
+            old = swapped["dp"]
+            me = RankRef(machine=f"m{rank}", local_rank=0)
+            new = build_group(
+                spec("a.dp.", "dp", 1, list(range(size))), me, store, "j", torch.device("cpu"), 30
+            )
+            assert swapped.install([new]) == [old]
+            old.shutdown()
+            P.realign(a)
+            result["same_object"] = a.process_group is pgs_a.get("dp")
+            result["funcol_after"] = funcol.all_reduce(
+                torch.full((2,), rank + 1.0), "sum", name
+            ).wait()
+            t = torch.full((3,), float(rank))
+            dist.broadcast(t, group_src=1, group=pgs_a.get("dp"))
+            result["broadcast_after"] = t
+    result["a"] = {n: p.detach().clone() for n, p in a.module.named_parameters()}
+    result["b"] = {n: p.detach().clone() for n, p in b.module.named_parameters()}
+    torch.save(result, out)
+    for t in (swapped, steady):
+        t.shutdown()
+    P.remove_hooks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))

@@ -1,0 +1,78 @@
+"""The reconfigurable c10d groups between real processes on loopback (`c10d_rank.py`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+SIZE = 2
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("c10d")
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.runtime.c10d_rank",
+                str(r),
+                str(SIZE),
+                str(store.port),
+                str(out / f"{r}.pt"),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(SIZE)
+    ]
+    for p in procs:
+        output, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, output.decode()[-3000:]
+    return [torch.load(out / f"{r}.pt", weights_only=False) for r in range(SIZE)]
+
+
+def test_ddp_over_a_swapped_group_stays_bit_identical_to_an_unswapped_one(ranks):
+    for result in ranks:
+        assert result["same_object"]  # DDP keeps the very same group object
+        assert result["a"].keys() == result["b"].keys()
+        for name, value in result["a"].items():
+            assert torch.equal(value, result["b"][name]), name
+    # ... and the replicas agree with each other (DDP really reduced across processes)
+    for name, value in ranks[0]["a"].items():
+        assert torch.equal(value, ranks[1]["a"][name]), name
+
+
+def test_functional_collectives_and_dist_wrappers_find_the_group_by_name(ranks):
+    total = float(sum(range(1, SIZE + 1)))
+    for rank, result in enumerate(ranks):
+        assert result["funcol_before"].tolist() == [total, total]
+        assert result["funcol_after"].tolist() == [total, total]  # the new inner group
+        assert result["broadcast_after"].tolist() == [1.0, 1.0, 1.0]
+        assert result["rank"] == rank and result["world"] == SIZE
+
+
+def test_init_process_group_installs_the_runtime_group(ranks):
+    assert all(r["default_is_dp"] for r in ranks)
+
+
+def test_bad_input_is_refused_with_the_call_and_the_fix(ranks):
+    result = ranks[0]
+    assert (
+        f"world_size={SIZE + 1}" in result["mismatch"]
+        and f"world_size={SIZE}" in result["mismatch"]
+    )
+    assert "dist.new_group" in result["new_group"] and "rt.process_group" in result["new_group"]
+    assert "recv_anysource" in result["anysource"] and "explicit source" in result["anysource"]

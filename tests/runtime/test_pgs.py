@@ -1,0 +1,118 @@
+"""A role's c10d groups in one process, over sandboxed runtime groups (no peers needed):
+what is handed out, and what is refused, with the call and the fix in the message."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainmover.runtime import pgs as P
+from trainmover.runtime.c10d import GroupNotReady, SwappableGroup, UnsupportedCollective
+from trainmover.runtime.groups import GroupTable
+from trainmover.runtime.layout import Layout, Role
+from trainmover.runtime.plan import GroupSpec, RankRef
+from trainmover.runtime.sandbox import SandboxGroup, SandboxStats
+
+LAYOUT = Layout(tp=2, pp=1, dp=2)
+ROLE = Role(dp=1, pp=0, tp=1)
+
+
+def sandboxed(layout: Layout, role: Role, stats: SandboxStats) -> GroupTable:
+    table = GroupTable()
+    for kind in ("tp", "pp", "dp"):
+        members = layout.group_members(kind, role)  # type: ignore[arg-type]
+        spec = GroupSpec(
+            name=f"x.{kind}",
+            kind=kind,  # type: ignore[arg-type]
+            generation=0,
+            members=[RankRef(machine="sandbox", local_rank=i) for i in range(len(members))],
+        )
+        table.install([SandboxGroup(spec, members.index(role), {}, stats, seed=1)])
+    return table
+
+
+@pytest.fixture
+def groups():
+    stats = SandboxStats()
+    table = sandboxed(LAYOUT, ROLE, stats)
+    pgs = P.ProcessGroups(LAYOUT, ROLE, table.get, dist.HashStore(), prefix="t.")
+    yield pgs, stats
+    pgs.close()
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def test_each_kind_is_one_stable_group_with_the_roles_rank_and_size(groups):
+    pgs, _ = groups
+    dp = pgs.get("dp")
+    assert pgs.get("dp") is dp
+    assert (dp.rank(), dp.size()) == (1, 2) and (pgs.get("tp").rank(), pgs.get("tp").size()) == (
+        1,
+        2,
+    )
+    assert dp.getBackendName() != "gloo"  # DDP would look for a gloo backend on it
+    # Registered by name with the global ranks of its members
+    assert dist.distributed_c10d._resolve_process_group(dp.group_name) is dp
+    assert dist.get_global_rank(dp, 1) == LAYOUT.global_rank(ROLE)
+
+
+def test_ddp_over_the_dp_group_is_accepted_and_its_collectives_answered(groups):
+    pgs, stats = groups
+    ddp = DDP(model(), process_group=pgs.get("dp"))
+    assert P.check_ddp(ddp, pgs) == "dp"
+    ddp(torch.ones(3, 4)).sum().backward()
+    assert stats.synthesized >= 2  # start-up checks and the gradient all-reduce
+
+
+def test_ddp_over_another_groups_shape_is_refused_with_both_shapes(groups):
+    pgs, _ = groups
+    ddp = DDP(model(), process_group=pgs.get("tp"))
+    with pytest.raises(P.LayoutMismatch, match=r"tp group \(2 ranks\).*dp=2"):
+        P.check_ddp(ddp, pgs)
+
+
+def test_ddp_over_a_group_the_runtime_did_not_hand_out_is_refused(groups):
+    pgs, _ = groups
+    stats = SandboxStats()
+    foreign_table = sandboxed(LAYOUT, ROLE, stats)
+    foreign = SwappableGroup("foreign", 1, 2, lambda: foreign_table["dp"])
+    ddp = DDP(model(), process_group=foreign)
+    with pytest.raises(UnsupportedCollective, match="rt.process_group"):
+        P.check_ddp(ddp, pgs)
+
+
+def test_the_world_group_of_a_multi_dimensional_layout_refuses_collectives(groups):
+    pgs, _ = groups
+    world = pgs.world()
+    assert (world.rank(), world.size()) == (LAYOUT.global_rank(ROLE), 4)
+    with pytest.raises(UnsupportedCollective, match=r"2x1x2 .*rt.process_group"):
+        world.allreduce([torch.ones(1)])
+
+
+def test_a_collective_before_the_group_is_installed_names_the_fix():
+    pg = SwappableGroup("early", 0, 2, lambda: None)
+    with pytest.raises(GroupNotReady, match="allreduce on process group 'early'.*rt.steps"):
+        pg.allreduce([torch.ones(1)])
+
+
+def test_torchrun_environment_follows_the_role(monkeypatch):
+    for name in P.TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    layout = Layout(tp=2, pp=2, dp=2)
+    P.set_torchrun_env(layout, Role(dp=1, pp=1, tp=1), layout.tp, "127.0.0.1:29400")
+    got = {name: os.environ[name] for name in P.TORCHRUN_ENV}
+    assert got == {
+        "RANK": "7",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29400",
+    }
