@@ -29,6 +29,14 @@ CONFIG = JobConfig(job="e2e").with_updates(
     cluster={"standbys": ["s0", "s1"], "maintenance_s": 1.0},
 )
 
+#: A longer job with three standbys and no return from maintenance, for tests that make
+#: several migrations in a row (one reference run serves them all).
+LONG_STEPS = 400
+LONG = CONFIG.with_updates(
+    train={"steps": LONG_STEPS, "dump_steps": [LONG_STEPS]},
+    cluster={"standbys": ["s0", "s1", "s2"], "maintenance_s": 3600.0},
+)
+
 
 @pytest.fixture(scope="session")
 def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[JobConfig], dict[str, Path]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import CONFIG, WAIT_S
+from tests.e2e.conftest import LONG, LONG_STEPS, WAIT_S
 from trainmover import bus
 from trainmover.localcluster import LocalCluster
 from trainmover.messages import Command, StragglerEvent
@@ -58,13 +58,6 @@ async def _cli(cluster: LocalCluster, *args: str) -> tuple[int, str]:
     return proc.returncode or 0, out.decode()
 
 
-async def _slow_all(cluster: LocalCluster, machines: tuple[str, ...], extra_s: float) -> None:
-    for machine in machines:
-        slow = Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": extra_s})
-        reply = await bus.request(cluster.nc, slow, timeout=10.0, deadline_s=WAIT_S)
-        assert reply.ok, reply.error
-
-
 async def _next_straggler(items: AsyncIterator[object]) -> StragglerEvent:
     async for item in items:
         if isinstance(item, StragglerEvent):
@@ -72,8 +65,7 @@ async def _next_straggler(items: AsyncIterator[object]) -> StragglerEvent:
     raise AssertionError("watch ended")
 
 
-# Long enough for three migrations and the straggler's return as a standby.
-@pytest.mark.parametrize("config", [CONFIG.with_updates(train={"steps": 400, "dump_steps": [400]})])
+@pytest.mark.parametrize("config", [LONG])
 async def test_straggler_kill_and_drain_under_auth(secure_cluster: LocalCluster, reference) -> None:
     cluster = secure_cluster
     job = cluster.job
@@ -99,20 +91,12 @@ async def test_straggler_kill_and_drain_under_auth(secure_cluster: LocalCluster,
     done = await cluster.client.wait_for_migration(job, plan.event_id, timeout=WAIT_S)
     assert done.state == "done" and done.joiner == "s1", done.detail
 
-    # Time for m3 to come back as a standby: every machine alike a little slower until
-    # then (no change to the result, and nobody looks slow).
-    await _slow_all(cluster, ("m0", "m1", "s0", "s1"), 0.3)
-    await cluster.wait_state(
-        lambda s: s.machines["m3"].status == "standby" and bool(s.machines["m3"].warm_role_types),
-        WAIT_S,
-    )
-    await _slow_all(cluster, ("m0", "m1", "s0", "s1"), 0.0)
     # A drain through the CLI with the client's credentials.
     code, out_drain = await _cli(
         cluster, "drain", job, "m1", "--reason", "driver update", "--wait", "300"
     )
-    assert code == 0, out_drain
-    assert "done" in out_drain and "m1 -> m3" in out_drain, out_drain
+    assert code == 0, out_drain or "(no output; see the services' logs)"
+    assert "done" in out_drain and "m1 -> s2" in out_drain, out_drain
 
     # status and watch with the client's credentials, once migrations are on the bus.
     code, out = await _cli(cluster, "status", job, "--json")
@@ -125,5 +109,5 @@ async def test_straggler_kill_and_drain_under_auth(secure_cluster: LocalCluster,
     code, out = await _cli(cluster, "watch", job, "--from-start", "--until-done")
     assert code == 0 and "done" in out, out
 
-    assert await cluster.wait_finished(WAIT_S) == ["m0", "m3", "s0", "s1"]
-    assert cluster.mismatches(reference, 400) == []
+    assert await cluster.wait_finished(WAIT_S) == ["m0", "s0", "s1", "s2"]
+    assert cluster.mismatches(reference, LONG_STEPS) == []

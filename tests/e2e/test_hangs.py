@@ -1,10 +1,12 @@
 """A hung machine is named from the job's progress and moved, with no timeout to tune.
 
 Both worker processes of m1 are frozen with SIGSTOP (alive, sockets open, the sidecar
-still heartbeating): the ranks that voted see the step held back, the progress board
-names m1's ranks, m1 is declared failed, fenced (SIGKILL ends a stopped process too)
-and its role moves to a standby from its replica, long before the 120 s collective
-timeout. A job whose every machine is slowed alike is not blamed on anyone.
+still heartbeating): the ranks blocked on them see the step held back, the progress
+board names m1's ranks, m1 is declared failed, fenced (SIGKILL ends a stopped process
+too) and its role moves to a standby from its replica, long before the 120 s collective
+timeout. Then m2 is frozen whole, sidecar and workers: named and moved the same way,
+though nobody can fence it (the store's epoch refuses its workers). A job whose every
+machine is slowed alike is not blamed on anyone.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.msg import Msg
 
-from tests.e2e.conftest import STEPS, WAIT_S
+from tests.e2e.conftest import LONG, LONG_STEPS, WAIT_S
 from trainmover import bus
 from trainmover.localcluster import LocalCluster as Cluster
 from trainmover.messages import Command, FailureEvent, Heartbeat, decode
@@ -49,7 +52,10 @@ async def _slow_all(cluster: Cluster, extra_s: float) -> None:
         assert reply.ok, reply.error
 
 
-async def test_frozen_workers_are_named_and_moved(cluster: Cluster, reference) -> None:
+@pytest.mark.parametrize("config", [LONG])
+async def test_frozen_workers_and_a_frozen_machine_are_named_and_moved(
+    cluster: Cluster, reference
+) -> None:
     await cluster.wait_step("m1", 10, WAIT_S)
     await cluster.wait_standbys_warm(WAIT_S)
     pids = await _worker_pids(cluster, "m1")
@@ -87,6 +93,25 @@ async def test_frozen_workers_are_named_and_moved(cluster: Cluster, reference) -
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+    # The whole of m2 frozen: its sidecar cannot answer the fence.
+    await cluster.wait_step("m2", max(cluster.steps.values()) + 3, WAIT_S)
+    async with cluster.client.watch(cluster.job) as items:
+        os.killpg(cluster.stack.machines["m2"].pid, signal.SIGSTOP)
+        second = await asyncio.wait_for(_failure_of(items, "m2"), WAIT_S)
+    assert second.source == "no_progress" and "of m2 (frozen)" in second.reason, second
+    moved = await cluster.client.wait_for_migration(cluster.job, second.event_id, WAIT_S)
+    assert moved.state == "done" and moved.leaver == "m2", moved.detail
+    cluster.stack.kill_machine("m2")  # what an operator does with a frozen node
+
     finished = await cluster.wait_finished(WAIT_S)
-    assert "m1" not in finished and done.joiner in finished
-    assert cluster.mismatches(reference, STEPS) == []
+    assert {"m1", "m2"}.isdisjoint(finished)
+    assert {done.joiner, moved.joiner} <= set(finished)
+    assert cluster.mismatches(reference, LONG_STEPS) == []
+
+
+async def _failure_of(items: AsyncIterator[object], machine: str) -> FailureEvent:
+    async for item in items:
+        if isinstance(item, FailureEvent) and item.machine == machine:
+            return item
+    raise AssertionError("watch ended")
