@@ -187,6 +187,23 @@ class LocalCluster:
             await sub.unsubscribe()
         return sorted(machines)
 
+    async def worker_pids(self, machine: str, timeout: float) -> list[int]:
+        """The pids of `machine`'s workers, from its next heartbeat with all of them
+        running (to freeze or kill them as a fault)."""
+        found: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+
+        async def on_beat(msg: Msg) -> None:
+            beat = decode(Heartbeat, msg.data)
+            pids = [w.pid for w in beat.workers if w.pid is not None and w.state == "running"]
+            if pids and len(pids) == len(beat.workers) and not found.done():
+                found.set_result(pids)
+
+        sub = await self.nc.subscribe(JobSubjects(self.job).heartbeat(machine), cb=on_beat)
+        try:
+            return await asyncio.wait_for(found, timeout)
+        finally:
+            await sub.unsubscribe()
+
     def mismatches(self, reference: dict[str, Path], step: int) -> list[str]:
         """Differences between this run's saved states after `step` and `reference`'s."""
         return mismatches(state_files(self.stack.run_dir, step), reference)

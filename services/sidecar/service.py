@@ -226,6 +226,13 @@ class Sidecar:
         elif isinstance(msg, c.StallEvent):
             self._loop.call_soon_threadsafe(self._report_stall, msg)
 
+    def _publish_soon(self, subject: str, payload: bytes) -> None:
+        """A plain publish from the event loop, not waited for: a signal lost with the
+        connection is not worth holding a worker's event for."""
+        assert self._nc is not None
+        task = asyncio.ensure_future(self._nc.publish(subject, payload))
+        task.add_done_callback(lambda t: t.exception())
+
     def _report_collective_error(self, error: c.CollectiveErrorEvent) -> None:
         """A rank's collective failed: tell the health-monitor whom it blames."""
         assert self._nc is not None
@@ -246,10 +253,7 @@ class Sidecar:
         )
         if error.peer_machine is None:
             return  # nobody to blame: the heartbeats will tell who died
-        task = asyncio.ensure_future(
-            self._nc.publish(self._subjects.collective_error(self.machine), report.to_json())
-        )
-        task.add_done_callback(lambda t: t.exception())
+        self._publish_soon(self._subjects.collective_error(self.machine), report.to_json())
 
     def _report_stall(self, stall: c.StallEvent) -> None:
         """A rank of this machine names the machines holding a step back."""
@@ -265,10 +269,7 @@ class Sidecar:
             median_step_s=stall.median_step_s,
         )
         log.warning("step_held_back", job=self.job, machine=self.machine, reason=report.reason)
-        task = asyncio.ensure_future(
-            self._nc.publish(self._subjects.stall(self.machine), report.to_json())
-        )
-        task.add_done_callback(lambda t: t.exception())
+        self._publish_soon(self._subjects.stall(self.machine), report.to_json())
 
     def _publish_stats(self, done: c.StepDone) -> None:
         assert self._nc is not None
@@ -283,10 +284,7 @@ class Sidecar:
             compute_s=compute,
             queued_s=done.queued_s,
         )
-        task = asyncio.ensure_future(
-            self._nc.publish(self._subjects.stats(self.machine), stats.to_json())
-        )
-        task.add_done_callback(lambda t: t.exception())
+        self._publish_soon(self._subjects.stats(self.machine), stats.to_json())
 
     # --- commands --------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from trainmover import bus
 from trainmover.bench.report import Progress, Result, markdown_table, outputs
 from trainmover.localcluster import LocalCluster
-from trainmover.messages import Command, FailureEvent, Heartbeat, StepStats, decode
+from trainmover.messages import Command, FailureEvent, StepStats, decode
 from trainmover.runtime.config import JobConfig
 from trainmover.subjects import JobSubjects
 
@@ -52,22 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--skip-baseline", action="store_true", help="leave out `timeout`")
     parser.add_argument("--run-dir", type=Path, help="where the clusters run (default: temp)")
-
-
-async def _pids(cluster: LocalCluster, machine: str) -> list[int]:
-    found: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
-
-    async def on_beat(msg: Msg) -> None:
-        beat = decode(Heartbeat, msg.data)
-        pids = [w.pid for w in beat.workers if w.pid is not None and w.state == "running"]
-        if pids and len(pids) == len(beat.workers) and not found.done():
-            found.set_result(pids)
-
-    sub = await cluster.nc.subscribe(JobSubjects(cluster.job).heartbeat(machine), cb=on_beat)
-    try:
-        return await asyncio.wait_for(found, WAIT_S)
-    finally:
-        await sub.unsubscribe()
 
 
 async def _median_step_s(cluster: LocalCluster, machine: str, steps: int = 10) -> float:
@@ -96,7 +80,7 @@ async def _hang(cluster: LocalCluster, kind: str, machine: str) -> float:
         if not reply.ok:
             raise RuntimeError(f"slow on {machine}: {reply.error}")
         return time.time()
-    pids = await _pids(cluster, machine)
+    pids = await cluster.worker_pids(machine, WAIT_S)
     hung = time.time()
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)

@@ -17,32 +17,13 @@ import signal
 from collections.abc import AsyncIterator
 
 import pytest
-from nats.aio.msg import Msg
 
 from tests.e2e.conftest import LONG, LONG_STEPS, WAIT_S
 from trainmover import bus
 from trainmover.localcluster import LocalCluster as Cluster
-from trainmover.messages import Command, FailureEvent, Heartbeat, decode
-from trainmover.subjects import JobSubjects
+from trainmover.messages import Command, FailureEvent
 
 pytestmark = pytest.mark.timeout(900)
-
-
-async def _worker_pids(cluster: Cluster, machine: str) -> list[int]:
-    """The pids of `machine`'s running workers, from its next heartbeat."""
-    found: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
-
-    async def on_beat(msg: Msg) -> None:
-        beat = decode(Heartbeat, msg.data)
-        pids = [w.pid for w in beat.workers if w.pid is not None and w.state == "running"]
-        if len(pids) == len(beat.workers) and pids and not found.done():
-            found.set_result(pids)
-
-    sub = await cluster.nc.subscribe(JobSubjects(cluster.job).heartbeat(machine), cb=on_beat)
-    try:
-        return await asyncio.wait_for(found, WAIT_S)
-    finally:
-        await sub.unsubscribe()
 
 
 async def _slow_all(cluster: Cluster, extra_s: float) -> None:
@@ -58,7 +39,7 @@ async def test_frozen_workers_and_a_frozen_machine_are_named_and_moved(
 ) -> None:
     await cluster.wait_step("m1", 10, WAIT_S)
     await cluster.wait_standbys_warm(WAIT_S)
-    pids = await _worker_pids(cluster, "m1")
+    pids = await cluster.worker_pids("m1", WAIT_S)
     async with cluster.client.watch(cluster.job) as items:
         failures: list[FailureEvent] = []
 
