@@ -250,6 +250,7 @@ CommandOp = Literal[
     "status",
     "steps",
     "slow",
+    "block",
     "fence",
 ]
 

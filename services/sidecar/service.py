@@ -325,6 +325,9 @@ class Sidecar:
         if op == "slow":  # fault injection: this machine becomes a straggler
             extra_s = float(command.args.get("extra_s", 0.0))
             return await asyncio.to_thread(w.slow, extra_s)
+        if op == "block":  # fault injection: one worker deadlocks in a collective
+            group, local_rank = str(command.args["group"]), int(command.args.get("local_rank", 0))
+            return await asyncio.to_thread(w.block, group, local_rank)
         plan = _plan_arg(command)
         if op == "prepare":
             if any(m.leaver == self.machine for m in plan.moves):

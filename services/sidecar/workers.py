@@ -264,6 +264,16 @@ class MachineWorkers:
             self.control.request(ref, c.Slow(extra_s=extra_s), self.timeout_s)
         return {"ranks": len(refs), "extra_s": extra_s}
 
+    def block(self, group: str, local_rank: int) -> dict[str, object]:
+        """Fault injection: one worker of this machine deadlocks at its next vote, in an
+        extra collective of `group` that its peers never join."""
+        refs = [r for r in self.tracker.live() if r.local_rank == local_rank]
+        if not refs:
+            raise ValueError(f"{self.machine} has no live worker of local rank {local_rank}")
+        for ref in refs:
+            self.control.request(ref, c.Block(group=group), self.timeout_s)
+        return {"ranks": len(refs), "group": group}
+
     def wait_exited(self, timeout_s: float) -> None:
         """Until every worker process of this machine is gone (a leaver after its switch:
         interpreter teardown with torch takes seconds, off the critical path)."""

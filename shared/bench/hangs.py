@@ -1,12 +1,14 @@
 """``trainmover bench hangs``: how fast a hung machine is named and moved, by hang kind.
 
 Through the product path (`LocalCluster`: nats-server, planner, executor, health-monitor,
-sidecars, real workers), on the reference job with two standbys:
+sidecars, real workers), on the reference job with three standbys:
 
 - ``sigstop``: both workers of a machine frozen with SIGSTOP (alive, sockets open, its
   sidecar heartbeating);
 - ``stuck``: both workers of a machine stuck outside any collective (the control
   command `slow` with a minute (its most) of extra compute after their vote);
+- ``blocked``: one worker of a machine deadlocked in an extra collective of its TP group
+  that its peer, alive and past its vote, never joins (the control command `block`);
 - ``timeout`` (what the job got before the progress board): the same SIGSTOP with stall
   detection off, ended by `runtime.failure_timeout_s` only.
 
@@ -38,7 +40,7 @@ from trainmover.subjects import JobSubjects
 WAIT_S = 600.0
 CONFIG = JobConfig(job="hangs").with_updates(
     train={"steps": 1_000_000, "dump_steps": []},
-    cluster={"standbys": ["s0", "s1"], "maintenance_s": 3600.0},
+    cluster={"standbys": ["s0", "s1", "s2"], "maintenance_s": 3600.0},
 )
 
 
@@ -74,11 +76,18 @@ async def _median_step_s(cluster: LocalCluster, machine: str, steps: int = 10) -
 
 async def _hang(cluster: LocalCluster, kind: str, machine: str) -> float:
     """Hangs `machine` the `kind` way; returns the wall time it hung."""
-    if kind == "stuck":
-        stuck = Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": 60.0})
-        reply = await bus.request(cluster.nc, stuck, timeout=10.0, deadline_s=WAIT_S)
+    commands = {
+        "stuck": Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": 60.0}),
+        "blocked": Command(
+            job=cluster.job, machine=machine, op="block", args={"group": "tp", "local_rank": 0}
+        ),
+    }
+    if kind in commands:
+        command = commands[kind]
+        op = command.op
+        reply = await bus.request(cluster.nc, command, timeout=10.0, deadline_s=WAIT_S)
         if not reply.ok:
-            raise RuntimeError(f"slow on {machine}: {reply.error}")
+            raise RuntimeError(f"{op} on {machine}: {reply.error}")
         return time.time()
     pids = await cluster.worker_pids(machine, WAIT_S)
     hung = time.time()
@@ -121,7 +130,7 @@ async def _run(args: argparse.Namespace, progress: Progress) -> list[dict[str, A
     async with LocalCluster(config, run_dir / "detected") as cluster:
         await cluster.wait_step("m0", 20, WAIT_S)
         await cluster.wait_standbys_warm(WAIT_S)
-        for kind, machine in (("sigstop", "m1"), ("stuck", "m2")):
+        for kind, machine in (("sigstop", "m1"), ("stuck", "m2"), ("blocked", "m3")):
             rows.append(await _measure(cluster, kind, machine))
             progress.step(f"{kind}: detection {rows[-1]['detection_s']:.2f}s")
     if not args.skip_baseline:
@@ -135,7 +144,7 @@ async def _run(args: argparse.Namespace, progress: Progress) -> list[dict[str, A
 
 
 def main(args: argparse.Namespace) -> int:
-    progress = Progress("hangs", 2 + (0 if args.skip_baseline else 1))
+    progress = Progress("hangs", 3 + (0 if args.skip_baseline else 1))
     rows = asyncio.run(_run(args, progress))
     result = Result("hangs", timeout_s=args.timeout_s)
     result.set("rows", rows)

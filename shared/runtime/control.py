@@ -118,6 +118,15 @@ class Slow(Message):
     extra_s: float = Field(ge=0.0, le=60.0)
 
 
+class Block(Message):
+    """Fault injection: at its next vote this rank waits, forever, in one extra
+    collective of its `group` that no peer will join (a deadlocked worker blocked on
+    live peers); the hang detector is tested with it."""
+
+    TYPE: ClassVar[str] = "block"
+    group: str
+
+
 class PrepareAck(Message):
     TYPE: ClassVar[str] = "prepare_ack"
     step: int
@@ -333,6 +342,7 @@ MESSAGES: dict[str, type[Message]] = {
         Status,
         Stop,
         Slow,
+        Block,
         Warm,
         Recover,
         Abort,

@@ -189,9 +189,12 @@ class Group:
 
     def _wait(self, pending: PendingWork) -> None:
         peer = self.peer_machine(pending.peer)
+        members = self.spec.members
+        others = [members[pending.peer]] if pending.peer is not None else members
+        on = tuple(str(m) for m in others if m != members[self.rank])
         # Waiting is not computing: the step's compute time leaves it out.
         try:
-            with WAITS.waiting():
+            with WAITS.waiting(on=on):
                 if pending.future is not None:
                     self.signal.wait_future(pending.future, self.name, peer)
                 else:

@@ -6,14 +6,15 @@ rank knows that a step is held back; what it needs is *who*. Every rank keeps an
 rewritten by a daemon thread every `interval_s` (one small write; training never waits
 for it):
 
-    {job}/progress/{rank} = {"m": machine, "e": epoch, "s": step in flight,
-                             "v": last step voted, "w": waiting in a collective,
+    {job}/progress/{rank} = {"m": machine, "l": local rank, "e": epoch,
+                             "s": step in flight, "v": last step voted,
+                             "w": waiting in a collective, "o": the ranks it waits on,
                              "n": a counter that grows with every write}
 
 A rank that has waited longer than `threshold` (a few times the recent median step,
 bounded below by a floor) in a collective of step k, or for the decision of k after its
 vote, claims the judgement of (epoch, k) in the store (one rank judges) and reads the
-board twice, `2 * interval_s` apart. Most hangs hold every other rank in a collective
+board twice, `2 * interval_s` apart, the second time at the threshold. Most hangs hold every other rank in a collective
 before anyone votes (the gradient all-reduce comes first), so waiting anywhere counts.
 A rank that has not voted for k is
 
@@ -21,6 +22,9 @@ A rank that has not voted for k is
   from the store): a culprit;
 - *computing* when it is not waiting in a collective (spinning outside any collective,
   stuck in its own code) and past its first step of the epoch: a culprit;
+- *blocked* when it waits in a collective on ranks that have all voted for k (they
+  left the step; nobody will ever answer it: a deadlocked worker, or its side of the
+  link lost the data): a culprit;
 - *waiting* in a collective otherwise: a victim of a culprit (its peer holds it back).
 
 The machines of the culprits are reported (a `StallEvent`) through the sidecar to the
@@ -73,13 +77,31 @@ class Entry:
     waiting: bool
     counter: int
     done: int = 0
+    local_rank: int = 0
+    #: The ranks ("machine/local_rank") its wait waits on; empty when none is named.
+    on: tuple[str, ...] = ()
+
+    @property
+    def ref(self) -> str:
+        return f"{self.machine}/{self.local_rank}"
+
+    def voted_for(self, epoch: str, step: int) -> bool:
+        return self.epoch == epoch and self.voted >= step
 
     @staticmethod
     def parse(raw: bytes) -> Entry | None:
         try:
             d = json.loads(raw)
             return Entry(
-                d["m"], d["e"], int(d["s"]), int(d["v"]), bool(d["w"]), int(d["n"]), int(d["f"])
+                d["m"],
+                d["e"],
+                int(d["s"]),
+                int(d["v"]),
+                bool(d["w"]),
+                int(d["n"]),
+                int(d["f"]),
+                int(d.get("l", 0)),
+                tuple(str(r) for r in d.get("o", ())),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -92,19 +114,29 @@ def judge(
     second: dict[int, Entry | None],
 ) -> tuple[dict[str, list[int]], dict[int, str]]:
     """Pure: culprit machine -> ranks, and rank -> what each rank that has not voted for
-    `step` in `epoch` is doing ("frozen", "computing", "waiting"), from two reads."""
+    `step` in `epoch` is doing ("frozen", "computing", "blocked", "waiting"), from two
+    reads."""
     culprits: dict[str, list[int]] = {}
     doing: dict[int, str] = {}
+    voted = {e.ref for e in second.values() if e is not None and e.voted_for(epoch, step)}
     for rank, now in sorted(second.items()):
         before = first.get(rank)
         if now is None:
             continue  # never wrote: not started yet, nothing to say
-        if now.epoch == epoch and now.voted >= step:
+        if now.voted_for(epoch, step):
             continue
         if before is not None and before.counter == now.counter:
             doing[rank] = "frozen"
         elif not now.waiting and now.done > 0:
             doing[rank] = "computing"
+        elif (
+            now.waiting
+            and now.on
+            and set(now.on) <= voted
+            and before is not None
+            and (before.on == now.on)
+        ):
+            doing[rank] = "blocked"
         else:
             # Waiting on someone else, or still in its first step of the epoch.
             doing[rank] = "waiting" if now.waiting else "starting"
@@ -123,10 +155,12 @@ class ProgressBoard:
         rank: int,
         world: int,
         machine: str,
+        local_rank: int = 0,
         interval_s: float = INTERVAL_S,
         timeout_s: float = 30.0,
     ) -> None:
         self.job, self.rank, self.world, self.machine = job, rank, world, machine
+        self.local_rank = local_rank
         self.interval_s = interval_s
         self.progress = Progress()
         self._training_thread = threading.get_ident()
@@ -151,10 +185,12 @@ class ProgressBoard:
             self._counter += 1
             entry = {
                 "m": self.machine,
+                "l": self.local_rank,
                 "e": p.epoch,
                 "s": p.step,
                 "v": p.voted,
                 "w": WAITS.is_waiting(self._training_thread),
+                "o": WAITS.waiting_on(self._training_thread),
                 "n": self._counter,
                 "f": p.done,
             }
@@ -181,16 +217,18 @@ class ProgressBoard:
             return self._store.compare_set(key, "", str(self.rank)).decode() == str(self.rank)
 
     def examine(
-        self, epoch: str, step: int, waited_s: float, median_step_s: float
+        self,
+        epoch: str,
+        step: int,
+        first: dict[int, Entry | None],
+        waited_s: float,
+        median_step_s: float,
     ) -> StallEvent | None:
-        """Reads the board twice and names the culprits of (epoch, step), if any."""
-        first = self.read()
-        time.sleep(2 * self.interval_s)  # on the waiting training thread: it waits anyway
-        second = self.read()
-        culprits, doing = judge(epoch, step, first, second)
+        """Reads the board again and names the culprits of (epoch, step), if any, from
+        this read and `first` (an earlier one, at least two beacon intervals ago)."""
+        culprits, doing = judge(epoch, step, first, self.read())
         if not culprits:
             return None
-        waited_s += 2 * self.interval_s
         parts = []
         for machine, ranks in sorted(culprits.items()):
             what = sorted({doing[r] for r in ranks})
@@ -213,9 +251,22 @@ class ProgressBoard:
 
 
 @dataclass
+class _Pending:
+    """A judgement under way: claimed, first read taken, second read due."""
+
+    key: tuple[str, int, int]
+    first: dict[int, Entry | None]
+    read_at: float
+
+
+@dataclass
 class StallWatch:
-    """Decides when a voter judges: after `threshold_s()` of waiting for a decision, and
-    again after each further threshold while nobody could be named."""
+    """Decides when a voter judges: after `threshold_s()` of waiting, and again after
+    each further threshold while nobody could be named.
+
+    The judge claims the judgement and takes its first read two beacon intervals before
+    the threshold, so the second read (the one that tells frozen from alive) falls on
+    the threshold itself and the verdict costs no time beyond it."""
 
     board: ProgressBoard
     report: Callable[[StallEvent], None]
@@ -223,6 +274,7 @@ class StallWatch:
     factor: float = 5.0
     recent: list[float] = field(default_factory=list)
     _judged: tuple[str, int, int] | None = None
+    _pending: _Pending | None = None
 
     def step_done(self, seconds: float) -> None:
         self.recent.append(seconds)
@@ -237,15 +289,27 @@ class StallWatch:
         return max(self.floor_s, self.factor * self.median_step_s())
 
     def stalled(self, epoch: str, step: int, waited_s: float) -> None:
-        """Called while this rank waits for the decision of `step`."""
+        """Called while this rank waits in step `step` (in a collective or for the
+        decision), every few hundred milliseconds."""
         if len(self.recent) < MIN_HISTORY or self.board.progress.done < 1:
             return  # no step time to judge against yet (start, recovery, joining)
-        attempt = int(waited_s // self.threshold_s())
-        if attempt < 1 or self._judged == (epoch, step, attempt):
+        threshold, lead = self.threshold_s(), 2 * self.board.interval_s
+        pending = self._pending
+        if pending is not None and pending.key[:2] == (epoch, step):
+            due = pending.key[2] * threshold
+            if waited_s >= due and time.monotonic() - pending.read_at >= lead:
+                self._pending = None
+                stall = self.board.examine(
+                    epoch, step, pending.first, waited_s, self.median_step_s()
+                )
+                if stall is not None:
+                    self.report(stall)
             return
-        self._judged = (epoch, step, attempt)
-        if not self.board.claim(epoch, step, attempt):
+        attempt = int((waited_s + lead) // threshold)
+        key = (epoch, step, attempt)
+        if attempt < 1 or self._judged == key:
             return
-        stall = self.board.examine(epoch, step, waited_s, self.median_step_s())
-        if stall is not None:
-            self.report(stall)
+        self._judged = key
+        self._pending = None
+        if self.board.claim(epoch, step, attempt):
+            self._pending = _Pending(key, self.board.read(), time.monotonic())

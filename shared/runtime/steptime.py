@@ -83,6 +83,8 @@ def run_queue_s() -> float:
 #: Thread id -> how many waits it is inside now (read by other threads: the progress
 #: beacon tells whether the training thread waits in a collective).
 _INSIDE: dict[int, int] = {}
+#: Thread id -> the ranks ("machine/local_rank") its innermost group wait waits on.
+_ON: dict[int, tuple[str, ...]] = {}
 
 
 class WaitClock(threading.local):
@@ -95,15 +97,19 @@ class WaitClock(threading.local):
         self.queued_s = 0.0
 
     @contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Counts the enclosed block as waiting (also when it raises)."""
+    def waiting(self, on: tuple[str, ...] = ()) -> Iterator[None]:
+        """Counts the enclosed block as waiting (also when it raises); `on` names the
+        ranks a group wait waits on (the progress board tells who holds whom)."""
         started, queued = time.perf_counter(), run_queue_s()
         me = threading.get_ident()
         _INSIDE[me] = _INSIDE.get(me, 0) + 1
+        outer = _ON.get(me, ())
+        _ON[me] = on
         try:
             yield
         finally:
             _INSIDE[me] -= 1
+            _ON[me] = outer
             self.waited_s += time.perf_counter() - started
             self.queued_s += run_queue_s() - queued
 
@@ -111,6 +117,11 @@ class WaitClock(threading.local):
     def is_waiting(thread_id: int) -> bool:
         """Whether thread `thread_id` is inside a wait now (from any thread)."""
         return _INSIDE.get(thread_id, 0) > 0
+
+    @staticmethod
+    def waiting_on(thread_id: int) -> tuple[str, ...]:
+        """The ranks thread `thread_id`'s current wait waits on (empty: none named)."""
+        return _ON.get(thread_id, ()) if WaitClock.is_waiting(thread_id) else ()
 
 
 #: Every wait of the runtime goes through this clock.

@@ -139,6 +139,7 @@ class Runtime:
         self._exit_reason: Literal["finished", "left", "error"] = "finished"
         self._loss: float | None = None
         self._extra_s = 0.0  # fault injection only (control `slow`)
+        self._block_in = ""  # fault injection only (control `block`)
         self._timeout_s = config.runtime.group_timeout_s
         # Unplanned failures: the abort signal every wait checks, the commit vote, the
         # recover plan in flight, and the step in flight (None between steps).
@@ -388,6 +389,9 @@ class Runtime:
         if self._in_flight is None or self._voted:
             return  # outside steps() (e.g. a shadow iteration), or already voted
         fault.point("after-allreduce")  # test-only: a machine dies before its vote
+        if self._block_in:  # fault injection (control `block`): a deadlocked worker
+            group, self._block_in = self.groups[self._block_in], ""
+            group.allreduce(torch.zeros(1))
         self._vote(self._in_flight)
 
     def _vote(self, step: int) -> None:
@@ -464,6 +468,7 @@ class Runtime:
             lay.global_rank(self.role),
             lay.machines * lay.tp,
             self.me.machine,
+            self.me.local_rank,
         )
 
         def report(stall: c.StallEvent) -> None:
@@ -844,6 +849,10 @@ class Runtime:
                 self._stop = True
             elif isinstance(msg, c.Slow):
                 self._extra_s = msg.extra_s
+            elif isinstance(msg, c.Block):
+                if self.groups.get(msg.group) is None:
+                    raise ValueError(f"block: this rank has no group {msg.group!r}")
+                self._block_in = msg.group
             elif isinstance(msg, c.Status):
                 return c.RankStatus(
                     machine=self.me.machine,

@@ -5,8 +5,9 @@ still heartbeating): the ranks blocked on them see the step held back, the progr
 board names m1's ranks, m1 is declared failed, fenced (SIGKILL ends a stopped process
 too) and its role moves to a standby from its replica, long before the 120 s collective
 timeout. Then m2 is frozen whole, sidecar and workers: named and moved the same way,
-though nobody can fence it (the store's epoch refuses its workers). A job whose every
-machine is slowed alike is not blamed on anyone.
+though nobody can fence it (the store's epoch refuses its workers). Then one worker of
+m3 deadlocks in a collective that its peer, alive and past its vote, never joins: named
+as blocked and moved. A job whose every machine is slowed alike is not blamed on anyone.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ async def _slow_all(cluster: Cluster, extra_s: float) -> None:
 
 
 @pytest.mark.parametrize("config", [LONG])
-async def test_frozen_workers_and_a_frozen_machine_are_named_and_moved(
+async def test_frozen_stuck_and_blocked_machines_are_named_and_moved(
     cluster: Cluster, reference
 ) -> None:
     await cluster.wait_step("m1", 10, WAIT_S)
@@ -85,9 +86,23 @@ async def test_frozen_workers_and_a_frozen_machine_are_named_and_moved(
     assert moved.state == "done" and moved.leaver == "m2", moved.detail
     cluster.stack.kill_machine("m2")  # what an operator does with a frozen node
 
+    # A worker of m3 blocked forever on a live peer: every rank waits, only it on
+    # ranks that have left the step.
+    await cluster.wait_step("m3", max(cluster.steps.values()) + 3, WAIT_S)
+    async with cluster.client.watch(cluster.job) as items:
+        block = Command(
+            job=cluster.job, machine="m3", op="block", args={"group": "tp", "local_rank": 0}
+        )
+        reply = await bus.request(cluster.nc, block, timeout=10.0, deadline_s=WAIT_S)
+        assert reply.ok, reply.error
+        third = await asyncio.wait_for(_failure_of(items, "m3"), WAIT_S)
+    assert third.source == "no_progress" and "of m3 (blocked)" in third.reason, third
+    last = await cluster.client.wait_for_migration(cluster.job, third.event_id, WAIT_S)
+    assert last.state == "done" and last.leaver == "m3", last.detail
+
     finished = await cluster.wait_finished(WAIT_S)
-    assert {"m1", "m2"}.isdisjoint(finished)
-    assert {done.joiner, moved.joiner} <= set(finished)
+    assert {"m1", "m2", "m3"}.isdisjoint(finished)
+    assert {done.joiner, moved.joiner, last.joiner} <= set(finished)
     assert cluster.mismatches(reference, LONG_STEPS) == []
 
 

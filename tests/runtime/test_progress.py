@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -49,6 +50,25 @@ def test_judge_names_frozen_and_computing_ranks_not_their_victims() -> None:
     assert judge("e1", 8, done, done) == ({}, {})
 
 
+def test_a_rank_waiting_on_peers_that_left_the_step_is_blocked_not_a_victim() -> None:
+    def at(machine: str, local: int, voted: int, n: int, on: tuple[str, ...] = ()) -> Entry:
+        return Entry(machine, "e1", 8, voted, bool(on) or voted >= 8, n, 3, local, on)
+
+    first = {
+        0: at("m0", 0, 8, 1),
+        1: at("m0", 1, 7, 1, on=("m0/0",)),  # its TP peer voted: nobody will answer
+        2: at("m1", 0, 7, 1, on=("m0/1",)),  # waits on the blocked rank: a victim
+        3: at("m1", 1, 7, 1, on=("m1/0", "m0/1")),  # one of its peers voted, one did not
+    }
+    second = {r: Entry(**{**e.__dict__, "counter": 2}) for r, e in first.items()}
+    culprits, doing = judge("e1", 8, first, second)
+    assert culprits == {"m0": [1]}
+    assert doing == {1: "blocked", 2: "waiting", 3: "waiting"}
+    # The wait changed between the reads: not judged blocked on one sighting.
+    moved = {**first, 1: at("m0", 1, 7, 1, on=("m1/0",))}
+    assert judge("e1", 8, moved, second)[0] == {}
+
+
 def test_the_threshold_follows_the_median_step_above_a_floor() -> None:
     class Board:
         progress = Progress()
@@ -66,6 +86,64 @@ def test_the_threshold_follows_the_median_step_above_a_floor() -> None:
     assert judged == []
 
 
+class _ScriptedBoard:
+    """A board whose reads are scripted: enough to see when the watch reads and judges."""
+
+    interval_s = 0.25
+
+    def __init__(self) -> None:
+        self.progress = Progress(done=3)
+        self.claims: list[tuple[str, int, int]] = []
+        self.reads = 0
+        self.examined: list[float] = []
+
+    def claim(self, epoch: str, step: int, attempt: int) -> bool:
+        self.claims.append((epoch, step, attempt))
+        return True
+
+    def read(self) -> dict[int, Entry | None]:
+        self.reads += 1
+        return {}
+
+    def examine(self, epoch, step, first, waited_s, median_step_s):  # type: ignore[no-untyped-def]
+        self.examined.append(waited_s)
+        return None
+
+
+def test_the_judge_reads_ahead_so_its_verdict_falls_on_the_threshold(monkeypatch) -> None:
+    board = _ScriptedBoard()
+    watch = StallWatch(board=board, report=lambda s: None, floor_s=1.5)  # type: ignore[arg-type]
+    for seconds in (0.1, 0.1, 0.1):
+        watch.step_done(seconds)
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    for waited in (0.5, 0.9):
+        clock[0] += 0.25
+        watch.stalled("e0", 7, waited)
+    assert board.claims == [] and board.reads == 0
+    # Two beacon intervals before the threshold: claimed, first read.
+    clock[0] += 0.25
+    watch.stalled("e0", 7, 1.0)
+    assert board.claims == [("e0", 7, 1)] and board.reads == 1 and board.examined == []
+    clock[0] += 0.25
+    watch.stalled("e0", 7, 1.25)
+    assert board.examined == []
+    clock[0] += 0.25
+    watch.stalled("e0", 7, 1.5)  # the threshold: judged now, not 0.5 s later
+    assert board.examined == [1.5]
+    # Nobody named: the next attempt one threshold later, claimed anew.
+    clock[0] += 1.0
+    watch.stalled("e0", 7, 2.5)
+    assert board.claims[-1] == ("e0", 7, 2) and board.examined == [1.5]
+    clock[0] += 0.5
+    watch.stalled("e0", 7, 3.0)
+    assert board.examined == [1.5, 3.0]
+    # The step ended: a wait in the next step starts afresh.
+    clock[0] += 0.25
+    watch.stalled("e0", 8, 0.25)
+    assert board.claims[-1] == ("e0", 7, 2)
+
+
 def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
     address = f"127.0.0.1:{host.port}"
@@ -78,7 +156,9 @@ def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
         boards[1].close()  # a stopped process: its entry stays as it was
         stall = None
         while stall is None:  # entries appear within one interval
-            stall = boards[0].examine("e0", 5, waited_s=3.0, median_step_s=0.1)
+            first = boards[0].read()
+            time.sleep(2 * boards[0].interval_s)  # the judge's two reads, apart
+            stall = boards[0].examine("e0", 5, first, waited_s=3.0, median_step_s=0.1)
         assert set(stall.culprits) == {"m1", "m2"}
         assert "frozen" in stall.reason and "computing" in stall.reason
         assert "did not reach the vote of step 5" in stall.reason
