@@ -25,7 +25,7 @@ from trainmover.runtime.compare import mismatches, state_files
 from trainmover.runtime.config import JobConfig, save_config
 from trainmover.security.credentials import NatsAuth, from_file
 from trainmover.security.policy import Component
-from trainmover.stack import Stack
+from trainmover.stack import MachineWrap, Stack
 from trainmover.subjects import STATE_KEY, JobSubjects
 
 #: Fast signals for a local cluster: heartbeats every 0.2 s, a machine is dead after 10 s
@@ -40,7 +40,8 @@ FAST_SIGNALS: dict[str, list[str]] = {
 
 class LocalCluster:
     """The stack for `config`, started in `workdir` (its bus a JetStream cluster of
-    `nats_cluster` servers when above 1); an async context manager."""
+    `nats_cluster` servers when above 1); an async context manager. `host` and
+    `machine_wrap` are the stack's (machines in network namespaces)."""
 
     def __init__(
         self,
@@ -51,6 +52,8 @@ class LocalCluster:
         log_dir: Path | None = None,
         auth: bool = False,
         bcrypt_cost: int | None = None,
+        host: str = "127.0.0.1",
+        machine_wrap: MachineWrap | None = None,
     ) -> None:
         self.config = config
         self.job = config.job
@@ -65,6 +68,8 @@ class LocalCluster:
             log_dir=log_dir,
             auth=auth,
             bcrypt_cost=bcrypt_cost,
+            host=host,
+            machine_wrap=machine_wrap,
         )
         self.steps: dict[str, int] = {}
         self._stepped = asyncio.Condition()

@@ -50,7 +50,7 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
 
 
 class EmbeddedNats:
-    """A nats-server child process with JetStream on 127.0.0.1.
+    """A nats-server child process with JetStream on `host` (127.0.0.1 by default).
 
     Use as a context manager, or call start()/stop(). `store_dir` keeps JetStream state;
     pass the same directory (and `port`) to a new instance to restart the server with
@@ -63,7 +63,9 @@ class EmbeddedNats:
         port: int = -1,
         config_file: str | Path | None = None,
         ready_timeout: float = 10.0,
+        host: str = "127.0.0.1",
     ) -> None:
+        self.host = host
         self._own_store = store_dir is None
         self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="trainmover-nats-"))
         self.port = port
@@ -77,7 +79,7 @@ class EmbeddedNats:
     def url(self) -> str:
         if self.port <= 0:
             raise NatsServerError("server not started")
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -89,7 +91,7 @@ class EmbeddedNats:
         cmd = [
             str(server_binary()),
             "-a",
-            "127.0.0.1",
+            self.host,
             "-p",
             str(self.port),
             "-js",
@@ -130,7 +132,7 @@ class EmbeddedNats:
                     nats_urls = []  # written but not complete yet
                 if nats_urls:
                     port = int(nats_urls[0].rsplit(":", 1)[1])
-                    if port_open("127.0.0.1", port):
+                    if port_open(self.host, port):
                         self.ports = ports
                         return port
             time.sleep(0.005)

@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import cast
@@ -42,6 +43,8 @@ log = get_logger("stack")
 
 # Start order: consumers before producers, so nothing published at start is missed.
 STACK_SERVICES = ("planner", "executor", "health-monitor")
+#: Per machine: a command prefix for its sidecar and environment additions.
+MachineWrap = Callable[[str], tuple[list[str], dict[str, str]]]
 
 SHIPPED_RULES = Path(__file__).resolve().parents[1] / "deploy" / "health-monitor-rules.yaml"
 """The alert rules the health-monitor of `trainmover up` maps Alertmanager alerts with."""
@@ -66,7 +69,11 @@ class Stack:
     """Bus, services and (with a job config, unless `cluster` is False) the local cluster;
     an async context manager.
 
-    `service_args` adds flags per service name ("sidecar" for every sidecar).
+    `service_args` adds flags per service name ("sidecar" for every sidecar). `host` is
+    the address the embedded bus and the rendezvous store listen on and everyone dials
+    (loopback unless machines run apart, e.g. in network namespaces); `machine_wrap`
+    gives, per machine, a command prefix for its sidecar and environment additions (how
+    a test runs a machine inside a namespace).
     """
 
     def __init__(
@@ -85,7 +92,11 @@ class Stack:
         nats_cluster: int = 1,
         log_dir: str | Path | None = None,
         rules: str | None = None,
+        host: str = "127.0.0.1",
+        machine_wrap: MachineWrap | None = None,
     ) -> None:
+        self.host = host
+        self._machine_wrap = machine_wrap
         self._given_url = resolve_url(nats_url)
         self._store_dir = store_dir
         self._job_config = str(Path(job_config).resolve()) if job_config else None
@@ -183,7 +194,7 @@ class Stack:
                 self.nats_cluster = await asyncio.to_thread(cluster.start)
                 self.url = cluster.url
             else:
-                server = EmbeddedNats(self._store_dir, config_file=config)
+                server = EmbeddedNats(self._store_dir, config_file=config, host=self.host)
                 self._nats = await asyncio.to_thread(server.start)
                 self.url = self._nats.url
         embedded = self._nats is not None or self.nats_cluster is not None
@@ -281,7 +292,7 @@ class Stack:
     async def _start_cluster(self, config: JobConfig) -> None:
         from trainmover.runtime.launcher import RendezvousHost
 
-        host = await asyncio.to_thread(RendezvousHost)
+        host = await asyncio.to_thread(RendezvousHost, self.host)
         self._rendezvous = host
         self.rendezvous_address = host.address
         for machine in [*config.cluster.machines, *config.cluster.standbys]:
@@ -299,6 +310,9 @@ class Stack:
             str(self.run_dir / machine),
         )
         env = self._service_env("sidecar", machine)
+        if self._machine_wrap is not None:
+            prefix, extra = self._machine_wrap(machine)
+            args, env = [*prefix, *args], {**env, **extra}
         self.machines[machine] = await self._exec(args, env, f"sidecar-{machine}", new_group=True)
         log.info("machine_started", machine=machine, pid=self.machines[machine].pid)
 

@@ -9,6 +9,10 @@ sidecars, real workers), on the reference job with three standbys:
   command `slow` with a minute (its most) of extra compute after their vote);
 - ``blocked``: one worker of a machine deadlocked in an extra collective of its TP group
   that its peer, alive and past its vote, never joins (the control command `block`);
+- ``cut``: a machine's network link taken down (packets dropped, no reset: its TCP
+  connections stay open, its processes run on), where this host can build network
+  namespaces (root, iproute2): the cluster then runs on a private bridge with that
+  machine in a namespace of its own (`trainmover.netns`);
 - ``timeout`` (what the job got before the progress board): the same SIGSTOP with stall
   detection off, ended by `runtime.failure_timeout_s` only.
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import statistics
@@ -30,7 +35,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from trainmover import bus
+from trainmover import bus, netns
 from trainmover.bench.report import Progress, Result, markdown_table, outputs
 from trainmover.localcluster import LocalCluster
 from trainmover.messages import Command, FailureEvent, StepStats, decode
@@ -40,7 +45,7 @@ from trainmover.subjects import JobSubjects
 WAIT_S = 600.0
 CONFIG = JobConfig(job="hangs").with_updates(
     train={"steps": 1_000_000, "dump_steps": []},
-    cluster={"standbys": ["s0", "s1", "s2"], "maintenance_s": 3600.0},
+    cluster={"standbys": ["s0", "s1", "s2", "s3"], "maintenance_s": 3600.0},
 )
 
 
@@ -74,8 +79,13 @@ async def _median_step_s(cluster: LocalCluster, machine: str, steps: int = 10) -
     return statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
 
 
-async def _hang(cluster: LocalCluster, kind: str, machine: str) -> float:
+async def _hang(cluster: LocalCluster, kind: str, machine: str, lan: netns.Lan | None) -> float:
     """Hangs `machine` the `kind` way; returns the wall time it hung."""
+    if kind == "cut":
+        assert lan is not None
+        hung = time.time()
+        await asyncio.to_thread(lan.cut, machine)
+        return hung
     commands = {
         "stuck": Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": 60.0}),
         "blocked": Command(
@@ -96,10 +106,12 @@ async def _hang(cluster: LocalCluster, kind: str, machine: str) -> float:
     return hung
 
 
-async def _measure(cluster: LocalCluster, kind: str, machine: str) -> dict[str, Any]:
+async def _measure(
+    cluster: LocalCluster, kind: str, machine: str, lan: netns.Lan | None = None
+) -> dict[str, Any]:
     median = await _median_step_s(cluster, "m0")
     async with cluster.client.watch(cluster.job) as items:
-        hung = await _hang(cluster, kind, machine)
+        hung = await _hang(cluster, kind, machine, lan)
 
         async def failure() -> FailureEvent:
             async for item in items:
@@ -127,12 +139,26 @@ async def _run(args: argparse.Namespace, progress: Progress) -> list[dict[str, A
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-bench-hangs-"))
     rows: list[dict[str, Any]] = []
     config = CONFIG.with_updates(runtime={"failure_timeout_s": args.timeout_s})
-    async with LocalCluster(config, run_dir / "detected") as cluster:
-        await cluster.wait_step("m0", 20, WAIT_S)
-        await cluster.wait_standbys_warm(WAIT_S)
-        for kind, machine in (("sigstop", "m1"), ("stuck", "m2"), ("blocked", "m3")):
-            rows.append(await _measure(cluster, kind, machine))
-            progress.step(f"{kind}: detection {rows[-1]['detection_s']:.2f}s")
+    kinds = [("sigstop", "m1"), ("stuck", "m2"), ("blocked", "m3")]
+    with contextlib.ExitStack() as stack:
+        lan: netns.Lan | None = None
+        if netns.available():
+            lan = stack.enter_context(netns.private_lan())
+            lan.add("m0")
+            kinds.append(("cut", "m0"))
+        else:
+            progress.step("cut: left out (network namespaces need root and iproute2)")
+        async with LocalCluster(
+            config,
+            run_dir / "detected",
+            host=lan.host_address if lan else "127.0.0.1",
+            machine_wrap=lan.machine_wrap({"m0"}) if lan else None,
+        ) as cluster:
+            await cluster.wait_step("m0", 20, WAIT_S)
+            await cluster.wait_standbys_warm(WAIT_S)
+            for kind, machine in kinds:
+                rows.append(await _measure(cluster, kind, machine, lan))
+                progress.step(f"{kind}: detection {rows[-1]['detection_s']:.2f}s")
     if not args.skip_baseline:
         off = config.with_updates(runtime={"stall_detection": False})
         async with LocalCluster(off, run_dir / "timeout") as cluster:
@@ -144,7 +170,7 @@ async def _run(args: argparse.Namespace, progress: Progress) -> list[dict[str, A
 
 
 def main(args: argparse.Namespace) -> int:
-    progress = Progress("hangs", 3 + (0 if args.skip_baseline else 1))
+    progress = Progress("hangs", 4 + (0 if args.skip_baseline else 1))
     rows = asyncio.run(_run(args, progress))
     result = Result("hangs", timeout_s=args.timeout_s)
     result.set("rows", rows)

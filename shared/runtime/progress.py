@@ -14,11 +14,12 @@ for it):
 A rank that has waited longer than `threshold` (a few times the recent median step,
 bounded below by a floor) in a collective of step k, or for the decision of k after its
 vote, claims the judgement of (epoch, k) in the store (one rank judges) and reads the
-board twice, `2 * interval_s` apart, the second time at the threshold. Most hangs hold every other rank in a collective
-before anyone votes (the gradient all-reduce comes first), so waiting anywhere counts.
+board twice, `2 * interval_s` apart, the second time at the threshold. Most hangs hold
+every other rank in a collective before anyone votes (the gradient all-reduce comes
+first), so waiting anywhere counts.
 A rank that has not voted for k is
 
-- *frozen* when its counter did not move (the whole process is stopped, or cut off
+- *silent* when its counter did not move (the whole process is stopped, or cut off
   from the store): a culprit;
 - *computing* when it is not waiting in a collective (spinning outside any collective,
   stuck in its own code) and past its first step of the epoch: a culprit;
@@ -114,7 +115,7 @@ def judge(
     second: dict[int, Entry | None],
 ) -> tuple[dict[str, list[int]], dict[int, str]]:
     """Pure: culprit machine -> ranks, and rank -> what each rank that has not voted for
-    `step` in `epoch` is doing ("frozen", "computing", "blocked", "waiting"), from two
+    `step` in `epoch` is doing ("silent", "computing", "blocked", "waiting"), from two
     reads."""
     culprits: dict[str, list[int]] = {}
     doing: dict[int, str] = {}
@@ -126,7 +127,7 @@ def judge(
         if now.voted_for(epoch, step):
             continue
         if before is not None and before.counter == now.counter:
-            doing[rank] = "frozen"
+            doing[rank] = "silent"
         elif not now.waiting and now.done > 0:
             doing[rank] = "computing"
         elif (

@@ -81,7 +81,7 @@ async def test_frozen_stuck_and_blocked_machines_are_named_and_moved(
     async with cluster.client.watch(cluster.job) as items:
         os.killpg(cluster.stack.machines["m2"].pid, signal.SIGSTOP)
         second = await asyncio.wait_for(_failure_of(items, "m2"), WAIT_S)
-    assert second.source == "no_progress" and "of m2 (frozen)" in second.reason, second
+    assert second.source == "no_progress" and "of m2 (silent)" in second.reason, second
     moved = await cluster.client.wait_for_migration(cluster.job, second.event_id, WAIT_S)
     assert moved.state == "done" and moved.leaver == "m2", moved.detail
     cluster.stack.kill_machine("m2")  # what an operator does with a frozen node

@@ -41,7 +41,7 @@ def test_judge_names_frozen_and_computing_ranks_not_their_victims() -> None:
     }
     culprits, doing = judge("e1", 8, first, second)
     assert culprits == {"m1": [2, 3], "m2": [4]}
-    assert doing == {2: "frozen", 3: "frozen", 4: "computing", 5: "waiting", 7: "starting"}
+    assert doing == {2: "silent", 3: "silent", 4: "computing", 5: "waiting", 7: "starting"}
     # A vote of an earlier epoch is not a vote of this one.
     stale = {0: _entry("m0", 9, True, 1, epoch="e0")}
     assert judge("e1", 8, stale, stale)[0] == {"m0": [0]}
@@ -160,7 +160,7 @@ def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
             time.sleep(2 * boards[0].interval_s)  # the judge's two reads, apart
             stall = boards[0].examine("e0", 5, first, waited_s=3.0, median_step_s=0.1)
         assert set(stall.culprits) == {"m1", "m2"}
-        assert "frozen" in stall.reason and "computing" in stall.reason
+        assert "silent" in stall.reason and "computing" in stall.reason
         assert "did not reach the vote of step 5" in stall.reason
         # One rank judges a step: the first claim wins.
         assert boards[0].claim("e0", 5, 1) and not boards[2].claim("e0", 5, 1)
