@@ -11,6 +11,8 @@ cluster state and sends `fence` to the sidecar of every machine that
 
 A fence names the instance (incarnation of the workers) the planner saw, when it knows
 it, so a late or repeated fence never kills the fresh standby the machine became since.
+A machine cut off while it was declared failed never hears the command; its sidecar
+applies the same rule to itself when it reads the cluster state again (`fenced_in`).
 The store refuses the fenced workers anyway: their commit votes belong to the aborted
 epoch and their group claims to generations whose members they are not
 (docs/security.md).
@@ -61,3 +63,12 @@ def to_fence(previous: ClusterState | None, state: ClusterState) -> list[Fence]:
             continue
         out.append(Fence(name, machine.instance or ""))
     return out
+
+
+def fenced_in(state: ClusterState, machine: str, instance: str) -> bool:
+    """Whether `state` fences `machine`'s workers of `instance`: the machine is failed,
+    or the leaver of an in-flight recovery, and the planner saw this very instance."""
+    mine = state.machines.get(machine)
+    if mine is None or mine.instance != instance:
+        return False
+    return mine.status == "failed" or machine in recovering(state)

@@ -41,6 +41,7 @@ from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.plan import RankRef
 from trainmover.service import write_port_file
+from trainmover.services.executor.fencing import fenced_in
 from trainmover.services.planner.decisions import role_types
 from trainmover.services.sidecar.workers import MachineWorkers
 from trainmover.subjects import STATE_KEY, JobSubjects
@@ -83,6 +84,7 @@ class Sidecar:
         #: The incarnation of this machine's workers, new at every launch: the planner
         #: takes a released or failed machine back only from a new one.
         self._instance = new_id()
+        self._fenced = ""  # the instance whose workers were fenced (once each)
         self._seq = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._server: bus.CommandServer | None = None
@@ -187,6 +189,9 @@ class Sidecar:
             if entry is not None and entry.value:
                 with contextlib.suppress(Exception):
                     self._state = decode(ClusterState, entry.value)
+                if self._state is not None and fenced_in(self._state, self.machine, self._instance):
+                    # The executor's fence may never have reached us (cut off meanwhile).
+                    await self._fence(self._instance)
 
     # --- signals -------------------------------------------------------------------------
 
@@ -414,7 +419,9 @@ class Sidecar:
         an earlier instance (a late or repeated command) leaves the current one alone."""
         if instance and instance != self._instance:
             return {"fenced": False, "instance": self._instance, "reason": "a newer instance"}
-        fenced = self._instance
+        if self._fenced == self._instance:
+            return {"fenced": True, "instance": self._instance}  # already: a second word
+        fenced = self._fenced = self._instance
         self._status = "maintenance"
         self._warm_types = []
         self._beat_now.set()

@@ -30,7 +30,7 @@ from trainmover.messages import (
     decode,
 )
 from trainmover.runtime.config import JobConfig
-from trainmover.services.executor.fencing import to_fence
+from trainmover.services.executor.fencing import fenced_in, to_fence
 from trainmover.services.health_monitor.plausible import StepBounds, collective_error_problem
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.services.planner.decisions import Planner
@@ -189,3 +189,16 @@ def test_a_failed_machine_is_fenced_once_by_the_instance_it_ran() -> None:
     assert [f.machine for f in to_fence(None, done)] == ["m2"]
     unknown = _with(done, "m2", instance=None)
     assert to_fence(None, unknown) == []
+
+
+def test_a_sidecar_fences_itself_from_the_state_only_for_the_instance_it_runs() -> None:
+    state = _with(sample_state("j"), "m2", instance="i2")
+    assert not fenced_in(state, "m2", "i2")  # active, training
+    recovering = Planner().on_event(state, FailureEvent(job="j", machine="m2"), 1.0).state
+    assert fenced_in(recovering, "m2", "i2")  # the leaver of a recovery
+    done = _with(recovering, "m2", status="failed", cell=None)
+    assert fenced_in(done, "m2", "i2")
+    # The fresh standby it became since, another machine, an unknown instance: no.
+    assert not fenced_in(done, "m2", "i3")
+    assert not fenced_in(done, "m1", "i2")
+    assert not fenced_in(_with(done, "m2", instance=None), "m2", "i2")
