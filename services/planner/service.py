@@ -26,6 +26,7 @@ from nats.js.kv import KeyValue
 
 from trainmover import bus
 from trainmover import metric_names as names
+from trainmover.bushealth import BusHealth, degraded_gauge
 from trainmover.logs import get_logger
 from trainmover.messages import (
     ClusterState,
@@ -97,6 +98,7 @@ class PlannerService:
             names.PLANNER_PLAN_LATENCY, "Event publish to plan publish"
         )
         self._m_pool = self.metrics.gauge(names.STANDBY_POOL_SIZE, "Standby machines warm and free")
+        self._bus_health = BusHealth("planner", degraded_gauge(self.metrics), [config.job])
 
     def health(self) -> dict[str, object]:
         connected = self._nc.is_connected
@@ -105,6 +107,7 @@ class PlannerService:
             "status": "ok" if connected and loaded else "starting",
             "job": self._job,
             "bus_connected": connected,
+            "bus_degraded": self._bus_health.degraded,
             "revision": self._revision,
             "in_flight": len(self._state.in_flight) if self._state else 0,
         }
@@ -143,6 +146,7 @@ class PlannerService:
             await bus.subscribe(self._nc, self._subjects.all_stats, cb=self._on_stats)
         )
         self._tasks = [
+            asyncio.create_task(self._bus_health.watch(self._nc)),
             asyncio.create_task(self._pump(events, self._on_event)),
             asyncio.create_task(self._pump(progress, self._on_progress)),
         ]
