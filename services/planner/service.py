@@ -167,6 +167,11 @@ class PlannerService:
                 await sub.unsubscribe()  # type: ignore[attr-defined]
 
     async def _load(self) -> None:
+        """The stored state, or a new one stored. Again through a leader election: a
+        bucket just created on a cluster takes writes once its replicas elected one."""
+        await bus.through_failover(self._load_once, f"{STATE_KEY} of {self._job}")
+
+    async def _load_once(self) -> None:
         assert self._kv is not None
         try:
             entry = await self._kv.get(STATE_KEY)
@@ -174,10 +179,17 @@ class PlannerService:
             self._state = decode(ClusterState, entry.value)
             self._revision = entry.revision or 0
             log.info("state_resumed", job=self._job, revision=self._revision)
+            return
         except KeyNotFoundError:
-            self._state = initial_state(self._config)
-            self._revision = await self._kv.create(STATE_KEY, self._state.to_json())
-            log.info("state_created", job=self._job, machines=sorted(self._state.machines))
+            pass
+        state = initial_state(self._config)
+        try:
+            self._revision = await self._kv.create(STATE_KEY, state.to_json())
+        except KeyWrongLastSequenceError:  # stored meanwhile (or our create's ack was lost)
+            await self._load_once()
+            return
+        self._state = state
+        log.info("state_created", job=self._job, machines=sorted(state.machines))
 
     def _pool_size(self) -> int:
         return sum(1 for m in self.state.machines.values() if m.status == "standby")
