@@ -163,7 +163,7 @@ class Migration:
                 statuses = await self._all("status", self.affected(), plan=False)
                 await self._pick_switch_step(int(r["step"]) for r in statuses.values())
             while True:
-                answers = await self._all("commit", self.affected(), step=self.record.commit_step)
+                answers = await self._commit_round(self.record.commit_step)
                 outcome = judge_commit(answers, self.plan.joiners())
                 if outcome.verdict == "accepted":
                     break
@@ -244,6 +244,15 @@ class Migration:
         senders = [transfers[m] for m in self.plan.sources() if m in transfers]
         if senders:
             self.record.phases["transfer"] = max(float(r.get("transfer_s", 0.0)) for r in senders)
+
+    async def _commit_round(self, k: int) -> dict[str, dict[str, Any]]:
+        """commit(k) to the joiners first, then to the leavers and stayers: no rank can
+        switch at k (and wait there for its joiner) before every joiner holds k, so a
+        commit the bus is slow to deliver delays the switch, never the training."""
+        joiners = sorted(self.plan.joiners())
+        first = await self._all("commit", joiners, step=k)
+        rest = [m for m in self.affected() if m not in first]
+        return {**first, **await self._all("commit", rest, step=k)}
 
     async def _pick_switch_step(self, passed: Iterable[int]) -> None:
         """k for this commit round, recorded before any commit(k) goes out: a restarted

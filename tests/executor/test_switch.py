@@ -171,6 +171,9 @@ async def test_a_commit_refused_as_too_late_is_sent_again_with_a_later_recorded_
     sent = sorted({k for _, k in ranks.commits})
     assert sent == [12, 19]
     assert {m for m, k in ranks.commits if k == 19} == set(final.plan.affected_machines())
+    for k in (12, 19):  # each round reaches the joiner before any rank that could switch
+        order = [m for m, sent_k in ranks.commits if sent_k == k]
+        assert set(order[: len(ranks.joiners)]) == ranks.joiners, order
     assert final.error is not None and final.error.startswith("transferring:"), final.error
 
 
