@@ -7,9 +7,9 @@
   builds its transfer pair); each replies once its ranks built their new groups while
   training went on.
 - committing: the switch step k is picked ahead of the furthest rank (`margin` steps),
-  *recorded*, then sent as `commit(k)` to the same machines (the joiners' acked first); a
-  round every rank refused
-  as too late (the record write waited for the bus) is repeated with a later k (`switch`).
+  *recorded*, then sent as `commit(k)` to the same machines (the joiners' acked first);
+  a round every rank refused as too late (the record write waited for the bus) is
+  repeated with a later k (`switch`).
 - transferring: `transfer` waits until every affected rank switched at the boundary
   after k (the leaver sent its state one-to-one to the joiner and exited).
 - releasing: the leaver's sidecar takes the machine into maintenance.
