@@ -109,8 +109,10 @@ class Sidecar:
             ["op", "outcome"],
         )
         self._m_steps = self.metrics.gauge(metric_names.SIDECAR_STEP, "Last step of the machine")
+        # One per machine: a probe every few seconds keeps a large job's probes light
+        # on the stream leader.
         self._bus_health = BusHealth(
-            f"sidecar-{self.machine}", degraded_gauge(self.metrics), [self.job]
+            f"sidecar-{self.machine}", degraded_gauge(self.metrics), [self.job], every_s=5.0
         )
 
     # --- lifecycle -------------------------------------------------------------------
