@@ -160,15 +160,14 @@ class Migration:
             self._phase("prepare", t0)
             await self._enter("committing")
         elif step == "committing":
-            if self.record.commit_step is None:
+            k = self.record.commit_step
+            if k is None:
                 statuses = await self._all("status", self.affected(), plan=False)
-                await self._pick_switch_step(int(r["step"]) for r in statuses.values())
+                k = await self._pick_switch_step(int(r["step"]) for r in statuses.values())
             while True:
-                answers = await self._commit_round(self.record.commit_step)
-                outcome = judge_commit(answers, self.plan.joiners())
+                outcome = judge_commit(await self._commit_round(k), self.plan.joiners())
                 if outcome.verdict == "accepted":
                     break
-                k = self.record.commit_step
                 if outcome.verdict == "failed" or self.record.commit_round + 1 >= COMMIT_ROUNDS:
                     raise MigrationFailed(f"commit({k}): {outcome.detail}")
                 log.warning(
@@ -180,7 +179,7 @@ class Migration:
                     round=self.record.commit_round,
                 )
                 self.record.commit_round += 1
-                await self._pick_switch_step([outcome.passed])
+                k = await self._pick_switch_step([outcome.passed])
             await self._progress("committing", f"switch after step {self.record.commit_step}")
             self._phase("commit", t0)
             await self._enter("transferring")
@@ -255,11 +254,13 @@ class Migration:
         rest = [m for m in self.affected() if m not in first]
         return {**first, **await self._all("commit", rest, step=k)}
 
-    async def _pick_switch_step(self, passed: Iterable[int]) -> None:
+    async def _pick_switch_step(self, passed: Iterable[int]) -> int:
         """k for this commit round, recorded before any commit(k) goes out: a restarted
         executor re-sends the same k (a late one is then refused and picked again)."""
-        self.record.commit_step = switch_step(passed, self.margin, self.record.commit_round)
+        k = switch_step(passed, self.margin, self.record.commit_round)
+        self.record.commit_step = k
         await self._save(self.record)
+        return k
 
     def _summary(self) -> str:
         rebuilt = len(self.plan.groups)
