@@ -2,9 +2,11 @@
 
 Core NATS (heartbeats, step statistics, commands) flows while any server is up; what
 needs a quorum is JetStream: every event, plan, progress and state write. So the probe
-asks for the info of the job's cluster-state stream (`KV_TM_<job>`), which its leader
-answers: it fails while the service's own connection is down, while the stream has no
-leader (an election, seconds) and while its replicas have lost their quorum. A service
+asks for the info of the job's cluster-state stream (`KV_TM_<job>`) and judges its
+quorum from it (`has_quorum`): the probe fails while the service's own connection is
+down, the stream has no leader (an election, seconds), or too few of its replicas were
+heard from lately. (A leader cut off from its followers keeps answering the info for a
+while, so an answer alone proves nothing.) A service
 reports the bus *degraded* from the first failed probe (log line `bus_degraded` with the
 cause, gauge `trainmover_bus_degraded` = 1) until one succeeds again (`bus_recovered`
 with how long it lasted, gauge 0). Nothing else is decided from it: the services wait on
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
+from nats.js.api import ClusterInfo
 from prometheus_client import Gauge
 
 from trainmover.logs import get_logger
@@ -30,6 +33,28 @@ log = get_logger("bus")
 
 PROBE_EVERY_S = 1.0
 """How often the probe runs; also how long one probe waits for its answer."""
+
+
+REPLICA_SILENT_S = 3.0
+"""A replica its leader has not heard from for this long is counted as gone (raft
+peers hear from each other about every second when idle)."""
+
+
+def has_quorum(cluster: ClusterInfo | None) -> bool:
+    """Whether a stream, as its `stream_info` reports its cluster, can take a write: a
+    leader and enough replicas heard from lately for a majority. A stream of one replica
+    (a standalone server) has it whenever it answers."""
+    if cluster is None:
+        return True
+    if not cluster.leader:
+        return False
+    replicas = cluster.replicas or []
+    heard = [
+        p
+        for p in replicas
+        if p.current and not p.offline and (p.active or 0) / 1e9 < REPLICA_SILENT_S
+    ]
+    return 1 + len(heard) > (1 + len(replicas)) // 2
 
 
 @dataclass
@@ -85,7 +110,8 @@ class BusHealth:
                 if not nc.is_connected:
                     raise ConnectionError("not connected to any server")
                 for stream in self.streams:
-                    await js.stream_info(stream)
+                    if not has_quorum((await js.stream_info(stream)).cluster):
+                        raise ConnectionError(f"{stream} has no leader or no quorum")
             except asyncio.CancelledError:
                 raise
             except Exception as err:
