@@ -17,9 +17,18 @@ from typing import Final
 
 from trainmover.messages import TERMINAL_STATES
 
+# --- every service on the bus (trainmover.bushealth) ------------------------------------
+BUS_DEGRADED: Final = "trainmover_bus_degraded"
+"""1 while the service's bus cannot take durable writes (no quorum, no stream leader,
+its connection down); 0 otherwise."""
+
+ON_BUS: Final = MappingProxyType({BUS_DEGRADED: ()})
+"""What every service connected to the bus exposes too (the rendezvous is not on it)."""
+
 # --- health-monitor (services/health_monitor/metrics.py registers these) -------------
 HEALTH: Final = MappingProxyType(
     {
+        **ON_BUS,
         "trainmover_health_heartbeats_total": ("job",),
         "trainmover_health_machines_up": ("job",),
         "trainmover_health_machines_watched": ("job",),
@@ -50,6 +59,7 @@ PLANNER: Final = MappingProxyType(
         PLANNER_PLANS: ("kind",),
         PLANNER_PLAN_LATENCY: (),
         STANDBY_POOL_SIZE: (),
+        **ON_BUS,
     }
 )
 
@@ -64,6 +74,7 @@ EXECUTOR: Final = MappingProxyType(
         MIGRATIONS: ("kind", "outcome"),
         MIGRATION_DOWNTIME: (),
         MIGRATION_PHASE: ("phase",),
+        **ON_BUS,
     }
 )
 
@@ -78,7 +89,7 @@ SIDECAR_COMMANDS: Final = "trainmover_sidecar_commands_total"
 SIDECAR_STEP: Final = "trainmover_sidecar_step"
 """The machine's last training step (the dashboard's step rate)."""
 
-SIDECAR: Final = MappingProxyType({SIDECAR_COMMANDS: ("op", "outcome"), SIDECAR_STEP: ()})
+SIDECAR: Final = MappingProxyType({SIDECAR_COMMANDS: ("op", "outcome"), SIDECAR_STEP: (), **ON_BUS})
 
 MIGRATION_OUTCOMES: Final = tuple(sorted(TERMINAL_STATES))
 """Values of `outcome` on MIGRATIONS: the terminal states of a migration."""

@@ -127,6 +127,30 @@ class EmbeddedNatsCluster:
         self.start_node(index)
         self.wait_ready()
 
+    def rolling_restart(self, kill: bool = False) -> None:
+        """Each node in turn stopped (SIGTERM, or SIGKILL with `kill`) and started again,
+        the next one only once this one is current (`wait_current`): how an operator
+        upgrades the servers without losing a quorum."""
+        for i in range(len(self.nodes)):
+            self.restart_node(i, kill=kill)
+            self.wait_current(i)
+
+    def wait_current(self, index: int) -> None:
+        """Until node `index` reports itself healthy (/healthz: its JetStream assets
+        caught up with their leaders)."""
+        url = f"http://127.0.0.1:{self._monitor_ports[index]}/healthz"
+        deadline = time.monotonic() + self.ready_timeout
+        last: object = None
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as reply:  # noqa: S310 - loopback
+                    if reply.status == 200:
+                        return
+            except OSError as err:  # HTTPError (503 while catching up) is one
+                last = err
+            time.sleep(0.05)
+        raise NatsServerError(f"nats node {index} not current after {self.ready_timeout}s: {last}")
+
     def restart_all(self, kill: bool = True) -> None:
         """Every node down at once (crashed with `kill`), then all back with their state."""
         for i in range(len(self.nodes)):

@@ -150,11 +150,16 @@ async def _open(
     """`existing()` scaled up to the configured replicas, or, when the bucket is missing,
     `created(replicas)`."""
     want = replicas(js._nc)
-    found = await found_or_created(
-        stream, want, existing, lambda: created(want), BucketNotFoundError
-    )
+    made: list[T] = []
+
+    async def create_it() -> None:
+        made.append(await created(want))
+
+    found = await found_or_created(stream, want, existing, create_it, BucketNotFoundError)
     if found is None:
-        return await existing()
+        # What the creation returned: looking the bucket up at once can miss it on a
+        # cluster ("stream not found") until the new stream's replicas elected a leader.
+        return made[-1]
     await ensure(js, stream, want)
     return found
 

@@ -7,7 +7,9 @@
   builds its transfer pair); each replies once its ranks built their new groups while
   training went on.
 - committing: the switch step k is picked ahead of the furthest rank (`margin` steps),
-  *recorded*, then sent as `commit(k)` to the same machines.
+  *recorded*, then sent as `commit(k)` to the same machines (the joiners' acked first);
+  a round every rank refused as too late (the record write waited for the bus) is
+  repeated with a later k (`switch`).
 - transferring: `transfer` waits until every affected rank switched at the boundary
   after k (the leaver sent its state one-to-one to the joiner and exited).
 - releasing: the leaver's sidecar takes the machine into maintenance.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal
 
 from nats.aio.client import Client as NatsClient
@@ -42,6 +44,7 @@ from trainmover.messages import (
     MigrationState,
     Plan,
 )
+from trainmover.services.executor.switch import COMMIT_ROUNDS, judge_commit, switch_step
 
 log = get_logger("executor")
 
@@ -60,6 +63,8 @@ class MigrationRecord(Message):
     plan: Plan
     step: Step = "phase1"
     commit_step: int | None = None
+    #: Commit rounds refused as too late so far (see `switch`): the next k's margin.
+    commit_round: int = 0
     started_ts: float = Field(default_factory=time.time)
     phases: dict[str, float] = Field(default_factory=dict)
     results: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -155,13 +160,27 @@ class Migration:
             self._phase("prepare", t0)
             await self._enter("committing")
         elif step == "committing":
-            if self.record.commit_step is None:
+            k = self.record.commit_step
+            if k is None:
                 statuses = await self._all("status", self.affected(), plan=False)
-                furthest = max(int(r["step"]) for r in statuses.values())
-                self.record.commit_step = furthest + self.margin
-                await self._save(self.record)  # k is decided once, even across a restart
+                k = await self._pick_switch_step(int(r["step"]) for r in statuses.values())
+            while True:
+                outcome = judge_commit(await self._commit_round(k), self.plan.joiners())
+                if outcome.verdict == "accepted":
+                    break
+                if outcome.verdict == "failed" or self.record.commit_round + 1 >= COMMIT_ROUNDS:
+                    raise MigrationFailed(f"commit({k}): {outcome.detail}")
+                log.warning(
+                    "commit_too_late",
+                    job=self.plan.job,
+                    plan_id=self.plan.plan_id,
+                    step=k,
+                    passed=outcome.passed,
+                    round=self.record.commit_round,
+                )
+                self.record.commit_round += 1
+                k = await self._pick_switch_step([outcome.passed])
             await self._progress("committing", f"switch after step {self.record.commit_step}")
-            await self._all("commit", self.affected(), step=self.record.commit_step)
             self._phase("commit", t0)
             await self._enter("transferring")
         elif step == "recovering":
@@ -225,6 +244,23 @@ class Migration:
         senders = [transfers[m] for m in self.plan.sources() if m in transfers]
         if senders:
             self.record.phases["transfer"] = max(float(r.get("transfer_s", 0.0)) for r in senders)
+
+    async def _commit_round(self, k: int) -> dict[str, dict[str, Any]]:
+        """commit(k) to the joiners first, then to the leavers and stayers: no rank can
+        switch at k (and wait there for its joiner) before every joiner holds k, so a
+        commit the bus is slow to deliver delays the switch, never the training."""
+        joiners = sorted(self.plan.joiners())
+        first = await self._all("commit", joiners, step=k)
+        rest = [m for m in self.affected() if m not in first]
+        return {**first, **await self._all("commit", rest, step=k)}
+
+    async def _pick_switch_step(self, passed: Iterable[int]) -> int:
+        """k for this commit round, recorded before any commit(k) goes out: a restarted
+        executor re-sends the same k (a late one is then refused and picked again)."""
+        k = switch_step(passed, self.margin, self.record.commit_round)
+        self.record.commit_step = k
+        await self._save(self.record)
+        return k
 
     def _summary(self) -> str:
         rebuilt = len(self.plan.groups)

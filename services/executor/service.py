@@ -31,6 +31,7 @@ from nats.js.kv import KeyValue
 
 from trainmover import bus, replication
 from trainmover import metric_names as names
+from trainmover.bushealth import BusHealth, degraded_gauge
 from trainmover.logs import get_logger
 from trainmover.messages import (
     ClusterState,
@@ -91,6 +92,7 @@ class ExecutorService:
         self._m_phase = self.metrics.gauge(
             names.MIGRATION_PHASE, "Phase durations of the last migration", ["phase"]
         )
+        self._bus_health = BusHealth("executor", degraded_gauge(self.metrics), [job])
 
     def health(self) -> dict[str, object]:
         connected = self._nc.is_connected
@@ -98,6 +100,7 @@ class ExecutorService:
             "status": "ok" if connected and self._kv is not None else "starting",
             "job": self.job,
             "bus_connected": connected,
+            "bus_degraded": self._bus_health.degraded,
             "running": sorted(self._running),
         }
 
@@ -107,6 +110,7 @@ class ExecutorService:
 
     async def start(self) -> None:
         await bus.ensure_job(self._js, self.job)
+        self._tasks.append(asyncio.create_task(self._bus_health.watch(self._nc)))
         self._kv = await self._bucket()
         state_kv = await bus.job_bucket(self._js, self.job)
         watcher = await state_kv.watch(STATE_KEY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from trainmover.bushealth import degraded_gauge
 from trainmover.metrics import Registry
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
@@ -12,6 +13,7 @@ class HealthMetrics:
 
     def __init__(self) -> None:
         r = self.registry = Registry()
+        self.bus_degraded = degraded_gauge(r)
         self.heartbeats = r.counter(
             "trainmover_health_heartbeats_total", "Heartbeats received from sidecars", ["job"]
         )

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 
 from trainmover import bus
+from trainmover.bushealth import BusHealth
 from trainmover.httpserver import HttpServer, Limits, json_response, metrics_response
 from trainmover.logs import get_logger
 from trainmover.messages import (
@@ -74,6 +75,7 @@ class HealthMonitor:
     def __init__(self, settings: Settings, nc: NatsClient | None = None) -> None:
         self.settings = settings
         self.metrics = HealthMetrics()
+        self._bus_health = BusHealth("health-monitor", self.metrics.bus_degraded, settings.jobs)
         self.roster = Roster(settings.jobs, settings.watch_statuses)
         self.tracker = HeartbeatTracker(settings.heartbeat_timeout, settings.grace)
         self.stragglers = StragglerDetector(
@@ -128,6 +130,7 @@ class HealthMonitor:
             ]
             self._tasks.append(asyncio.create_task(self._follow_state(job)))
         self._tasks.append(asyncio.create_task(self._check_loop()))
+        self._tasks.append(asyncio.create_task(self._bus_health.watch(self._nc)))
         webhook = WebhookHandler(
             rules=self.rules,
             roster=self.roster,
@@ -596,6 +599,7 @@ class HealthMonitor:
         body = {
             "status": "ok" if ready else "starting" if connected else "bus_disconnected",
             "bus_connected": connected,
+            "bus_degraded": self._bus_health.degraded,
             "jobs": {j: self.roster.loaded(j) for j in self.roster.jobs},
             "open_incidents": len(self.emitter.table) if self.emitter else 0,
             "pending_publishes": self.emitter.pending if self.emitter else 0,

@@ -26,6 +26,7 @@ from nats.js.kv import KeyValue
 
 from trainmover import bus
 from trainmover import metric_names as names
+from trainmover.bushealth import BusHealth, degraded_gauge
 from trainmover.logs import get_logger
 from trainmover.messages import (
     ClusterState,
@@ -97,6 +98,7 @@ class PlannerService:
             names.PLANNER_PLAN_LATENCY, "Event publish to plan publish"
         )
         self._m_pool = self.metrics.gauge(names.STANDBY_POOL_SIZE, "Standby machines warm and free")
+        self._bus_health = BusHealth("planner", degraded_gauge(self.metrics), [config.job])
 
     def health(self) -> dict[str, object]:
         connected = self._nc.is_connected
@@ -105,6 +107,7 @@ class PlannerService:
             "status": "ok" if connected and loaded else "starting",
             "job": self._job,
             "bus_connected": connected,
+            "bus_degraded": self._bus_health.degraded,
             "revision": self._revision,
             "in_flight": len(self._state.in_flight) if self._state else 0,
         }
@@ -143,6 +146,7 @@ class PlannerService:
             await bus.subscribe(self._nc, self._subjects.all_stats, cb=self._on_stats)
         )
         self._tasks = [
+            asyncio.create_task(self._bus_health.watch(self._nc)),
             asyncio.create_task(self._pump(events, self._on_event)),
             asyncio.create_task(self._pump(progress, self._on_progress)),
         ]
@@ -163,6 +167,11 @@ class PlannerService:
                 await sub.unsubscribe()  # type: ignore[attr-defined]
 
     async def _load(self) -> None:
+        """The stored state, or a new one stored. Again through a leader election: a
+        bucket just created on a cluster takes writes once its replicas elected one."""
+        await bus.through_failover(self._load_once, f"{STATE_KEY} of {self._job}")
+
+    async def _load_once(self) -> None:
         assert self._kv is not None
         try:
             entry = await self._kv.get(STATE_KEY)
@@ -170,10 +179,17 @@ class PlannerService:
             self._state = decode(ClusterState, entry.value)
             self._revision = entry.revision or 0
             log.info("state_resumed", job=self._job, revision=self._revision)
+            return
         except KeyNotFoundError:
-            self._state = initial_state(self._config)
-            self._revision = await self._kv.create(STATE_KEY, self._state.to_json())
-            log.info("state_created", job=self._job, machines=sorted(self._state.machines))
+            pass
+        state = initial_state(self._config)
+        try:
+            self._revision = await self._kv.create(STATE_KEY, state.to_json())
+        except KeyWrongLastSequenceError:  # stored meanwhile (or our create's ack was lost)
+            await self._load_once()
+            return
+        self._state = state
+        log.info("state_created", job=self._job, machines=sorted(state.machines))
 
     def _pool_size(self) -> int:
         return sum(1 for m in self.state.machines.values() if m.status == "standby")

@@ -23,6 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.errors import KeyNotFoundError
 
 from trainmover import bus, metric_names
+from trainmover.bushealth import BusHealth, degraded_gauge
 from trainmover.httpserver import HttpServer, serve_observability
 from trainmover.logs import get_logger
 from trainmover.messages import (
@@ -110,6 +111,11 @@ class Sidecar:
             ["op", "outcome"],
         )
         self._m_steps = self.metrics.gauge(metric_names.SIDECAR_STEP, "Last step of the machine")
+        # One per machine: a probe every few seconds keeps a large job's probes light
+        # on the stream leader.
+        self._bus_health = BusHealth(
+            f"sidecar-{self.machine}", degraded_gauge(self.metrics), [self.job], every_s=5.0
+        )
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -119,6 +125,7 @@ class Sidecar:
             self._nc = await bus.connect(self.s.nats_url, f"sidecar-{self.machine}")
         self._state = await self._wait_for_state()
         self._tasks.append(asyncio.create_task(self._watch_state()))
+        self._tasks.append(asyncio.create_task(self._bus_health.watch(self._nc)))
         self._server = bus.CommandServer(self._nc, self.job, self.machine, self._handle)
         await self._server.start()
         self._status = "active" if self._assigned() else "standby"
@@ -158,6 +165,7 @@ class Sidecar:
             "status": "ok" if connected else "bus_disconnected",
             "machine": self.machine,
             "machine_status": self._status,
+            "bus_degraded": self._bus_health.degraded,
         }
 
     def _assigned(self) -> bool:

@@ -209,9 +209,15 @@ class MachineWorkers:
         return max((self.tracker.step_of(r) for r in self.refs), default=0)
 
     def commit(self, plan: Plan, step: int, timeout_s: float) -> dict[str, object]:
-        """Phase 2: this machine's ranks switch at the boundary after `step`."""
-        acks = self.commands.commit(self.affected(plan), plan, step)
-        return {"accepted": len(acks)}
+        """Phase 2: this machine's ranks switch at the boundary after `step`. Each rank's
+        refusal is answered with its reason (the executor judges the round, see
+        `trainmover.services.executor.switch`), with the furthest step passed here."""
+        acks = self.commands.offer_commit(self.affected(plan), plan, step)
+        return {
+            "accepted": sum(a.accepted for a in acks.values()),
+            "refused": {str(r): a.reason for r, a in acks.items() if not a.accepted},
+            "passed": max((a.passed for a in acks.values()), default=0),
+        }
 
     def recover(self, plan: Plan, timeout_s: float) -> dict[str, object]:
         """The unplanned path: every live rank here (a survivor, or the joiner) aborts its

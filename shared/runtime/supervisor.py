@@ -204,17 +204,21 @@ class RankCommands:
         self.tracker.wait(all_ready, timeout_s or self.timeout_s, f"ready of {plan.plan_id}")
         return {r: self.tracker.ready[plan.plan_id][r] for r in refs}
 
+    def offer_commit(
+        self, refs: Iterable[RankRef], plan: Plan, step: int
+    ) -> dict[RankRef, c.CommitAck]:
+        """Phase 2: each rank's answer to switching after `step` (it refuses when it
+        already passed `step`, or is not ready)."""
+        acks = self._each(refs, c.Commit(plan_id=plan.plan_id, step=step))
+        return {r: a for r, a in acks.items() if isinstance(a, c.CommitAck)}
+
     def commit(self, refs: Iterable[RankRef], plan: Plan, step: int) -> dict[RankRef, c.CommitAck]:
         """Phase 2; raises when a rank refuses (it already passed `step`, or not ready)."""
-        acks = self._each(refs, c.Commit(plan_id=plan.plan_id, step=step))
-        refused = {
-            str(r): a.reason
-            for r, a in acks.items()
-            if isinstance(a, c.CommitAck) and not a.accepted
-        }
+        acks = self.offer_commit(refs, plan, step)
+        refused = {str(r): a.reason for r, a in acks.items() if not a.accepted}
         if refused:
             raise RuntimeError(f"commit({step}) of {plan.plan_id} refused: {refused}")
-        return {r: a for r, a in acks.items() if isinstance(a, c.CommitAck)}
+        return acks
 
     def wait_switched(
         self, refs: Iterable[RankRef], plan: Plan, timeout_s: float | None = None
