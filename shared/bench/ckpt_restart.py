@@ -1,5 +1,8 @@
 """The checkpoint-restart baseline: the same job launched by ``torchrun``, restarted by
 torch.distributed.elastic after a SIGKILL (unplanned) or saved and relaunched (planned).
+The job is the reference job (`trainmover.bench.ckpt_train`) or an example's torchrun
+script (`trainmover.bench.ddp_ckpt_train`): both take the same options and write the same
+events.
 
 `TorchrunJob` starts one torchrun agent per machine (c10d rendezvous on loopback,
 ``--nproc-per-node`` = TP, ``--max-restarts``), each in its own session so the harness
@@ -67,8 +70,17 @@ def normal_period(ends: dict[int, float], last: int, count: int = 8) -> float:
 class TorchrunJob:
     """The baseline job: torchrun agents (one per machine) and their workers."""
 
-    def __init__(self, config: JobConfig, run_dir: Path, every: int, max_restarts: int = 3):
+    def __init__(
+        self,
+        config: JobConfig,
+        run_dir: Path,
+        every: int,
+        max_restarts: int = 3,
+        script: str = "trainmover.bench.ckpt_train",
+    ):
         self.config, self.every, self.max_restarts = config, every, max_restarts
+        #: The training script's module (`ckpt_train`'s command line and events).
+        self.script = script
         self.run_dir = Path(run_dir)
         (self.run_dir / "events").mkdir(parents=True, exist_ok=True)
         self.config_path = save_config(config, self.run_dir / "job.json")
@@ -106,7 +118,7 @@ class TorchrunJob:
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                 f"--rdzv-id=bench-{self.launches}", "--local-addr=127.0.0.1",
                 f"--max-restarts={self.max_restarts}", "--monitor-interval=0.1",
-                "-m", "trainmover.bench.ckpt_train",
+                "-m", self.script,
                 "--config", str(self.config_path), "--run-dir", str(self.run_dir),
                 "--every", str(self.every), "--launch", str(self.launches),
             ]  # fmt: skip

@@ -66,13 +66,18 @@ def _store(timeout_s: float) -> dist.Store:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(argv: list[str] | None, description: str) -> argparse.Namespace:
+    """The command line every checkpoint-restart training script takes."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--every", type=int, required=True, help="checkpoint every N steps")
     parser.add_argument("--launch", default="0", help="distinguishes relaunches in the store")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv, __doc__.splitlines()[0])
     cfg = load_config(args.config)
     torch.set_num_threads(cfg.runtime.threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

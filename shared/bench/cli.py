@@ -10,18 +10,19 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from trainmover.bench import downtime, hangs, rebalance, scale
+from trainmover.bench import downtime, downtime_example, hangs, rebalance, scale
 
 #: sub-command -> (add its options, run it)
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
                           Callable[[argparse.Namespace], int]]] = {
-    "downtime": (downtime.add_arguments, downtime.main),
+    "downtime": (downtime.add_arguments, lambda a: (downtime_example if a.example else downtime).main(a)),
     "rebalance": (rebalance.add_arguments, rebalance.main),
     "scale": (scale.add_arguments, scale.main),
     "hangs": (hangs.add_arguments, hangs.main),
 }  # fmt: skip
 HELP = {
-    "downtime": "planned and failure downtime: TrainMover, ablations, torchrun, torchft",
+    "downtime": "planned and failure downtime: TrainMover, ablations, torchrun, torchft "
+    "(--example NAME: an examples/ script against itself under plain torchrun)",
     "rebalance": "training-time ratio with a migration every P seconds",
     "scale": "delta vs full group setup, measured 4-16 ranks and projected to 65,536",
     "hangs": "a hung machine: detection and downtime by hang kind, against the timeout",

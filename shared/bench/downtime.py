@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from trainmover.bench import ckpt_restart, plot, torchft_peer
+from trainmover.bench import ckpt_restart, example_jobs, plot, torchft_peer
 from trainmover.bench.report import (
     Progress,
     Result,
@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repetitions per system")
     parser.add_argument("--warm-steps", type=int, default=8, help="steady steps before events")
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    parser.add_argument(
+        "--example",
+        choices=sorted(example_jobs.EXAMPLES),
+        help="an examples/ script (its own layout, default 1x1x2) against the same script "
+        "under plain torchrun, and the wrapper's step-time cost, instead of the reference job",
+    )
     parser.add_argument(
         "--torchft-timeouts",
         type=float,
@@ -130,10 +136,16 @@ def _phase_medians(rows: list[dict[str, Any]], key: str = "phases_s") -> dict[st
     return {p: statistics.median(r[key][p] for r in rows) for p in rows[0][key]}
 
 
-def summarize(result: Result, rows: dict[str, list[Any]], timeouts: list[float]) -> None:
-    """The issue's keys from the raw rows (kept under "runs")."""
+def summarize(
+    result: Result,
+    rows: dict[str, list[Any]],
+    timeouts: list[float],
+    variants: dict[str, str] = VARIANT_KEYS,
+) -> None:
+    """The issue's keys from the raw rows (kept under "runs"), for the planned `variants`
+    that ran."""
     result.set("runs", rows)
-    for variant, key in VARIANT_KEYS.items():
+    for variant, key in variants.items():
         values = rows.get(f"trainmover.{variant}", [])
         ok = successes(values)
         result.set_median(

@@ -52,7 +52,7 @@ def bench_config(
 ) -> JobConfig:
     """The benchmark's job config. Steps are open-ended: a benchmark ends its job with
     limits, never by running out of steps."""
-    config = base or JobConfig(job="bench")
+    config = base or JobConfig(job="bench", layout=layout)
     model = TINY_MODEL if tiny else BENCH_MODEL
     if base is not None:
         model = {}  # a user's config keeps its own model
@@ -72,8 +72,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layout",
         type=parse_layout,
-        default=DEFAULT_LAYOUT,
-        help="TPxPPxDP (default 2x2x2: 4 machines of 2 ranks)",
+        help="TPxPPxDP (default 2x2x2: 4 machines of 2 ranks; --example ddp: 1x1x2)",
     )
     parser.add_argument(
         "--config", type=Path, help="job config (YAML/JSON) instead of the bench model"
@@ -85,4 +84,4 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
     base = load_config(args.config) if args.config else None
-    return bench_config(args.layout, args.compile, args.tiny, base)
+    return bench_config(args.layout or DEFAULT_LAYOUT, args.compile, args.tiny, base)

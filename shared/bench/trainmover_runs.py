@@ -34,7 +34,7 @@ from trainmover.runtime.bench import (
     step_end,
 )
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import LocalJob, MigrationReport
+from trainmover.runtime.driver import REFERENCE_ENTRY, LocalJob, MigrationReport
 from trainmover.runtime.plan import RankRef
 
 Variant = Literal["delta", "full_rebuild", "no_overlap", "no_shadow"]
@@ -42,12 +42,25 @@ VARIANTS: tuple[Variant, ...] = ("delta", "full_rebuild", "no_overlap", "no_shad
 
 
 class TrainMoverJob:
-    """A running reference job plus an RSS sampler of all its workers."""
+    """A running job (the reference job, or the worker `entry` of an example) plus an
+    RSS sampler of all its workers."""
 
-    def __init__(self, config: JobConfig, run_dir: Path, standbys: int = 1, margin: int = 3):
+    def __init__(
+        self,
+        config: JobConfig,
+        run_dir: Path,
+        standbys: int = 1,
+        margin: int = 3,
+        entry: str = REFERENCE_ENTRY,
+    ):
         self.config, self.margin = config, margin
         self.job = LocalJob.launch(
-            config, run_dir, standbys=standbys, limit=1, timeout_s=harness_timeout_s(config)
+            config,
+            run_dir,
+            standbys=standbys,
+            limit=1,
+            timeout_s=harness_timeout_s(config),
+            entry=entry,
         )
         #: Standbys that ran shadow iterations (warmth cannot be undone: a cold joiner
         #: must be a standby never warmed).

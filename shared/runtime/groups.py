@@ -74,6 +74,13 @@ class PendingWork:
         self.group._wait(self)
 
 
+def _finished(work: Any) -> bool:
+    """A c10d work is over once its future is: gloo completes the future (waking the
+    waiter, e.g. DDP's reducer raising in the training thread) before it marks the work
+    itself completed, so `is_completed()` can still be False when the waiter looks."""
+    return bool(work.get_future().done())
+
+
 class Group:
     """One built incarnation of a group, with the collectives the runtime uses.
 
@@ -125,7 +132,7 @@ class Group:
         return (
             self._failed
             or any(not w.done for w in self._inflight)
-            or any(not w.is_completed() for w in self._c10d)
+            or any(not _finished(w) for w in self._c10d)
         )
 
     def peer_machine(self, peer: int | None) -> str | None:
@@ -168,10 +175,11 @@ class Group:
         """Drops the c10d works seen complete; the first error among them, if any (the
         group is then dirty)."""
         error = None
-        for work in [w for w in self._c10d if w.is_completed()]:
+        for work in [w for w in self._c10d if _finished(w)]:
             self._c10d.remove(work)
-            exc = work.exception()
-            if exc is not None:
+            try:
+                work.get_future().value()
+            except Exception as exc:  # the work's own error, whatever the backend raised
                 self._failed = True
                 error = error or str(exc)[:500]
         return error

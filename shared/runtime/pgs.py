@@ -259,9 +259,14 @@ def check_ddp(model: DistributedDataParallel, pgs: ProcessGroups) -> str:
 
 
 def realign(model: DistributedDataParallel) -> None:
-    """After its group was swapped, on every member at the same boundary: DDP's bucket
-    layout and rebuilt-bucket state start over together (a joiner's fresh DDP would
-    otherwise rebuild its buckets in its second step, a broadcast no stayer sends)."""
+    """On every member at the same boundary (when the model is tracked, and after its
+    group was swapped): DDP's bucket layout and rebuilt-bucket state start over together
+    (a joiner's fresh DDP would otherwise rebuild its buckets in its second step, a
+    broadcast no stayer sends). The layout is DDP's own for a group change (every
+    parameter pushed in order), never the one it rebuilds from the first backward's
+    gradient order: a joiner has not run that backward, and from 3 members on gloo's
+    ring sums each element in an order set by its offset in the bucket, so a layout
+    that differs from the uninterrupted run's changes the numbers."""
     model._update_process_group(model.process_group)
     model.reducer._push_all_rebuilt_params()
     model.reducer._rebuild_buckets()

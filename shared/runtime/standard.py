@@ -74,9 +74,12 @@ class StandardTorch:
         return pgs.active().get(kind)
 
     def track(self, model: torch.nn.Module) -> None:
-        """Remembers a DDP model (refusing one over a group the runtime does not own)."""
+        """Remembers a DDP model (refusing one over a group the runtime does not own) and
+        gives it the bucket layout every realignment gives (`pgs.realign`), so a run
+        with replacements reduces in the same layout as one without."""
         if pgs.is_ddp(model) and self.live is not None:
             self._ddp.append((model, pgs.check_ddp(model, self.live)))  # type: ignore[arg-type]
+            pgs.realign(model)  # type: ignore[arg-type]
 
     def installed(self, kinds: list[str]) -> None:
         """After a switch installed new groups of `kinds`: every DDP over one of them is

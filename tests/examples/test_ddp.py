@@ -5,7 +5,9 @@ and one with a warm standby taking over m0 in a planned migration, then two mach
 SIGKILLed mid-step (m1 while its gradient all-reduce inside DDP's reducer is in flight,
 the first joiner after its all-reduce, before the commit vote), each recovered from its
 data-parallel replica. Both runs dump every role's full state (parameters, AdamW state,
-data position) at the last step; they must be bit-identical.
+data position) at the last step; they must be bit-identical. The same at DP=3, where a
+replaced rank sits between two stayers of a larger gloo group: the middle machine moves,
+then the last dies inside DDP's all-reduce.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ class Run:
     warmed: dict[RankRef, c.Warmed] | None = None
     recoveries: list[RecoveryReport] | None = None
 
+    steps: int = STEPS
+
     def state(self, role_key: str) -> dict[str, torch.Tensor]:
-        path = self.run_dir / "state" / f"{role_key}.step{STEPS}.pt"
+        path = self.run_dir / "state" / f"{role_key}.step{self.steps}.pt"
         return torch.load(path, weights_only=False)["tensors"]
 
 
@@ -81,8 +85,8 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Run:
         return Run(run_dir, job.losses(), warmed, recoveries)
 
 
-def test_a_moved_ddp_job_ends_bit_identical_to_an_uninterrupted_one(reference, moved):
-    for role_key in ("d0p0t0", "d1p0t0"):
+def assert_bit_identical(moved: Run, reference: Run, dp: int) -> None:
+    for role_key in [f"d{d}p0t0" for d in range(dp)]:
         ours, theirs = moved.state(role_key), reference.state(role_key)
         assert ours.keys() == theirs.keys()
         assert any(k.startswith("optim.") for k in ours)  # AdamW's state is compared too
@@ -90,6 +94,10 @@ def test_a_moved_ddp_job_ends_bit_identical_to_an_uninterrupted_one(reference, m
             if not name.startswith("rng."):
                 assert torch.equal(value, theirs[name]), (role_key, name)
     assert moved.losses == reference.losses
+
+
+def test_a_moved_ddp_job_ends_bit_identical_to_an_uninterrupted_one(reference, moved):
+    assert_bit_identical(moved, reference, dp=2)
 
 
 def test_failures_recover_from_the_replica_and_re_execute_the_lost_step(moved):
@@ -115,3 +123,41 @@ def test_the_docs_show_exactly_the_examples_diff():
     )
     docs = (ROOT / "docs" / "integration.md").read_text()
     assert f"```diff\n{diff}\n```" in docs
+
+
+# -- DP=3 --------------------------------------------------------------------------------
+
+STEPS3 = 9
+CONFIG3 = CONFIG.with_updates(
+    layout={"dp": 3},
+    cluster={"machines": ["m0", "m1", "m2"]},
+    train={"steps": STEPS3, "dump_steps": [STEPS3]},
+)
+PLANNED3_AT = 3
+FAULTS3 = [("m2", 6, "dp-allreduce")]
+
+
+def test_at_dp3_a_moved_middle_rank_and_a_failure_end_bit_identical(tmp_path: Path) -> None:
+    with LocalJob.launch(
+        CONFIG3, tmp_path / "ref", standbys=0, entry=ENTRY, timeout_s=WAIT_S
+    ) as job:
+        job.finish(timeout_s=WAIT_S)
+        reference = Run(tmp_path / "ref", job.losses(), steps=STEPS3)
+    env = {"TM_TEST_FAULT": ",".join(f"{m}@{s}:{p}" for m, s, p in FAULTS3)}
+    with LocalJob.launch(
+        CONFIG3, tmp_path / "moved", standbys=2, entry=ENTRY, timeout_s=WAIT_S, limit=2,
+        extra_env=env,
+    ) as job:  # fmt: skip
+        job.wait_step(2)
+        job.warm(timeout_s=WAIT_S)
+        job.set_limit(PLANNED3_AT)
+        report = job.migrate({"m1": "s0"}, at_step=PLANNED3_AT)
+        assert report.commit_step == PLANNED3_AT
+        job.set_limit(STEPS3)
+        dead, noticed = job.wait_failure(timeout_s=WAIT_S)
+        assert dead == "m2"
+        recovery = job.recover(dead, detected_at=noticed, timeout_s=WAIT_S)
+        assert recovery.step == FAULTS3[0][1] - 1
+        job.finish(timeout_s=WAIT_S)
+        moved = Run(tmp_path / "moved", job.losses(), steps=STEPS3)
+    assert_bit_identical(moved, reference, dp=3)

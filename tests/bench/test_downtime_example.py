@@ -1,0 +1,55 @@
+"""`bench downtime --example`: the job it builds, what it refuses, and the wrapper's
+step-time cost taken within each repetition (pure logic; the runs themselves are the
+benchmark's, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainmover.bench.downtime_example import summarize
+from trainmover.bench.example_jobs import EXAMPLES, example_config
+from trainmover.bench.report import Result
+from trainmover.examples.ddp.train_trainmover import settings_from_job
+from trainmover.runtime.layout import Layout
+
+
+def test_the_ddp_job_is_data_parallel_and_both_versions_read_the_same_settings() -> None:
+    config = example_config("ddp", None, tiny=False)
+    assert (config.layout.tp, config.layout.pp, config.layout.dp) == (1, 1, 2)
+    assert config.cluster.machines == ["m0", "m1"]
+    s = settings_from_job(config)  # what both the TrainMover and the torchrun side train
+    assert s.width == EXAMPLES["ddp"].model["d_model"]
+    assert s.micro_batch_size == EXAMPLES["ddp"].train["micro_batch_size"]
+    assert example_config("ddp", Layout(tp=1, pp=1, dp=3), tiny=True).cluster.machines == [
+        "m0",
+        "m1",
+        "m2",
+    ]
+
+
+def test_a_layout_the_example_does_not_build_and_an_unknown_example_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"--layout 1x1xDP, not 2x1x2"):
+        example_config("ddp", Layout(tp=2, pp=1, dp=2), tiny=True)
+    with pytest.raises(ValueError, match=r"no example 'fsdp9': one of ddp"):
+        example_config("fsdp9", None, tiny=True)
+
+
+def _row(step_s: float) -> dict:
+    return {"downtime_s": 0.1, "normal_step_s": step_s, "phases_s": {}, "group_build_s": 0.0,
+            "groups_rebuilt": 1, "recomputed_steps": 1, "end_to_end_s": 0.1,
+            "lost_in_flight_s": 0.0, "memory_mib": {}}  # fmt: skip
+
+
+def test_the_step_overhead_is_taken_within_each_repetition() -> None:
+    # Repetition 2 ran on a box twice as loaded: both systems slowed alike.
+    rows = {
+        "trainmover.delta": [_row(1.02), _row(2.04)],
+        "trainmover.failure": [_row(1.02), "failed: WorkerDied"],
+        "checkpoint_restart.failure": [_row(1.0), _row(2.0)],
+        "checkpoint_restart.planned": [_row(1.0), _row(2.0)],
+    }
+    result = Result("downtime", example="ddp")
+    summarize(result, rows)
+    assert result.get("step_time.overhead_stats")["samples"] == pytest.approx([0.02, 0.02])
+    assert result.get("step_time.overhead") == pytest.approx(0.02)
+    assert result.get("step_time.trainmover_stats")["samples"] == [1.02, 2.04]
