@@ -9,9 +9,10 @@ is plausible:
   and the machines holding its roles, or a transfer pair of an in-flight plan): a
   sidecar cannot fail a machine it shares no group with;
 - a stall report (a voter's progress board names the ranks holding a step back) is
-  believed only from a machine holding a role, about other machines holding roles whose
-  ranks they are, and only while the step statistics agree: a machine that reported the
-  step done was not holding it back;
+  believed only from a machine holding a role, about machines holding roles whose ranks
+  they are, and only while the step statistics agree: a machine that reported the step
+  done was not holding it back. A machine may name itself (a rank of it voted, and its
+  other rank is blocked or stuck): it can stop its own training anyway;
 - step statistics advance within bounds: a machine's step may run at most `max_lead`
   steps ahead of the other machines of the job (synchronous training keeps them within
   a step or two), so a stream that jumps to step 10,000,000 is not believed, and it
@@ -78,8 +79,6 @@ def stall_problem(
     reporter = state.machines.get(report.machine)
     if reporter is None or reporter.cell is None or reporter.status not in HOLDING:
         return f"{report.machine} holds no role: it has no vote to wait on"
-    if report.machine in report.culprits:
-        return f"{report.machine} names itself"
     for machine, ranks in sorted(report.culprits.items()):
         m = state.machines.get(machine)
         if m is None or m.cell is None or m.status not in HOLDING:

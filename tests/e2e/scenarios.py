@@ -70,8 +70,9 @@ async def drain_through_fault(
     await cluster.wait_standbys_warm(WAIT_S)  # so each drain finds one
     # On a quiet host the remaining steps take seconds, less than the restarted server
     # and the services need to catch up: every machine sleeps 0.4 s more per step (no
-    # change to the training result; all alike, so none looks like a straggler).
-    for machine in ("m0", "m1", "m2", "m3"):
+    # change to the training result; all alike, so none looks like a straggler). The
+    # standbys too: a joiner keeps its workers, and so the slow-down, once it trains.
+    for machine in ("m0", "m1", "m2", "m3", "s0", "s1"):
         slow = Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": 0.4})
         reply = await bus.request(cluster.nc, slow)
         assert reply.ok, reply.error
@@ -96,9 +97,9 @@ async def drain_through_fault(
     )
     assert {state.machines[m].status for m in ("m1", "m2")} <= {"maintenance", "standby"}
     assert state.machines["s0"].status == "active"
-    # Both migrations are behind: the stayers train at full speed to the end again (0
-    # undoes the slow-down; the joiners never had it).
-    for machine in ("m0", "m3"):
+    # Both migrations are behind: the job trains at full speed to the end again (0
+    # undoes the slow-down).
+    for machine in ("m0", "m3", "s0", "s1"):
         fast = Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": 0.0})
         reply = await bus.request(cluster.nc, fast)
         assert reply.ok, reply.error

@@ -101,8 +101,9 @@ async def test_frozen_stuck_and_blocked_machines_are_named_and_moved(
     assert last.state == "done" and last.leaver == "m3", last.detail
 
     finished = await cluster.wait_finished(WAIT_S)
-    assert {"m1", "m2", "m3"}.isdisjoint(finished)
-    assert {done.joiner, moved.joiner, last.joiner} <= set(finished)
+    joiners = {done.joiner, moved.joiner, last.joiner}
+    # A fenced machine may come back as a fresh standby and take a later role.
+    assert joiners <= set(finished) and {"m1", "m2", "m3"} & set(finished) <= joiners
     assert cluster.mismatches(reference, LONG_STEPS) == []
 
 

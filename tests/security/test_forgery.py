@@ -24,6 +24,7 @@ from trainmover.messages import (
     FailureEvent,
     Heartbeat,
     MachineState,
+    StallReport,
     StragglerEvent,
     StragglerEvidence,
     WorkerStatus,
@@ -31,7 +32,11 @@ from trainmover.messages import (
 )
 from trainmover.runtime.config import JobConfig
 from trainmover.services.executor.fencing import fenced_in, to_fence
-from trainmover.services.health_monitor.plausible import StepBounds, collective_error_problem
+from trainmover.services.health_monitor.plausible import (
+    StepBounds,
+    collective_error_problem,
+    stall_problem,
+)
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.services.planner.decisions import Planner
 from trainmover.services.planner.service import PlannerService
@@ -153,6 +158,33 @@ def test_a_collective_error_must_name_a_shared_group() -> None:
     pair = plan.transfers[0].name
     assert collective_error_problem(planned.state, report("m1", "s0", pair)) is None
     assert collective_error_problem(planned.state, report("m0", "s0", pair)) is not None
+
+
+def test_a_stall_report_is_believed_only_about_role_holders_and_their_own_ranks() -> None:
+    state = sample_state("j")
+    layout = state.layout
+    ranks = {
+        m: sorted(layout.global_rank(r) for r in layout.roles_of(state.machines[m].cell))
+        for m in ("m1", "m3")
+    }
+
+    def stall(reporter: str, culprits: dict[str, list[int]]) -> StallReport:
+        return StallReport(
+            job="j", machine=reporter, epoch="e0", step=40, culprits=culprits,
+            reason="no progress", waited_s=1.5, median_step_s=0.1,
+        )  # fmt: skip
+
+    assert stall_problem(state, stall("m0", {"m1": ranks["m1"]}), {}) is None
+    # A rank of m3 voted and names its own blocked TP peer: believed.
+    assert stall_problem(state, stall("m3", {"m3": ranks["m3"][:1]}), {}) is None
+    problem = stall_problem(state, stall("s0", {"m1": ranks["m1"]}), {})
+    assert problem is not None and "s0 holds no role" in problem
+    problem = stall_problem(state, stall("m0", {"m1": ranks["m3"]}), {})
+    assert problem is not None and "are not m1's" in problem
+    problem = stall_problem(state, stall("m0", {"s0": [0]}), {})
+    assert problem is not None and "s0 holds no role" in problem
+    problem = stall_problem(state, stall("m0", {"m1": ranks["m1"]}), {"m1": 40})
+    assert problem is not None and "reported step 40 done" in problem
 
 
 def test_stats_that_jump_are_not_believed_and_do_not_blind_the_detector() -> None:
