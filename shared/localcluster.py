@@ -172,8 +172,9 @@ class LocalCluster:
 
     async def wait_finished(self, timeout: float) -> list[str]:
         """Until every worker of every active machine exited cleanly (training ended);
-        returns those machines."""
-        state = await self.client.status(self.job)
+        returns those machines (from a state with no migration in flight: a joiner whose
+        migration just ended may not be marked active yet)."""
+        state = await self.wait_state(lambda s: not s.in_flight, timeout)
         machines = {n for n, m in state.machines.items() if m.status == "active"}
         finished: set[str] = set()
         done = asyncio.Event()
