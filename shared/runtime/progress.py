@@ -130,14 +130,8 @@ def judge(
             doing[rank] = "silent"
         elif not now.waiting and now.done > 0:
             doing[rank] = "computing"
-        elif (
-            now.waiting
-            and now.on
-            and set(now.on) <= voted
-            and before is not None
-            and (before.on == now.on)
-        ):
-            doing[rank] = "blocked"
+        elif now.waiting and now.on and set(now.on) <= voted and before and before.on == now.on:
+            doing[rank] = "blocked"  # the same wait in both reads, on ranks that left
         else:
             # Waiting on someone else, or still in its first step of the epoch.
             doing[rank] = "waiting" if now.waiting else "starting"
