@@ -50,6 +50,7 @@ from trainmover.runtime import control as c
 from trainmover.runtime.abort import POLL_S, AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.config import JobConfig, load_config
+from trainmover.runtime.env import ENV_CONFIG, ENV_CONTROL, ENV_LOCAL_RANK, ENV_MACHINE, ENV_RUN_DIR
 from trainmover.runtime.groups import (
     BuildAbandoned,
     Group,
@@ -67,13 +68,6 @@ from trainmover.runtime.shadow import ShadowFn, run_shadow
 from trainmover.runtime.standard import StandardTorch
 from trainmover.runtime.state import Stateful, TrainingState
 from trainmover.runtime.steptime import WAITS, StepTimer
-
-#: Environment the launcher sets for every worker process.
-ENV_CONTROL = "TM_CONTROL"
-ENV_MACHINE = "TM_MACHINE"
-ENV_LOCAL_RANK = "TM_LOCAL_RANK"
-ENV_CONFIG = "TM_CONFIG"
-ENV_RUN_DIR = "TM_RUN_DIR"
 
 Part = Literal["leaver", "joiner", "stayer"]
 RecoveryPart = Literal["joiner", "source", "stayer"]
