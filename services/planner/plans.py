@@ -139,7 +139,7 @@ def make_plan(
         restore=delta.restore,
         supersedes=delta.supersedes,
         merged_events=merged_events or {},
-        state_sources=sources,
+        state_sources=delta.joiner_sources(),
         deadline_ts=deadline_ts,
         ts=now,
     )
