@@ -77,7 +77,7 @@ class MigrationFailed(RuntimeError):
 
 
 def downtime(before_end: float, after_end: float, median_step_s: float) -> float:
-    """DESIGN.md: from the end of the last step completed before the migration to the end
+    """docs/glossary.md: from the end of the last step completed before the migration to the end
     of the first step completed after it, minus one normal step."""
     return max(0.0, after_end - before_end - median_step_s)
 
