@@ -184,9 +184,10 @@ def _chaos(args: argparse.Namespace) -> int:
 
     from trainmover.chaos import soak
     from trainmover.chaos.faults import default_kinds
+    from trainmover.chaos.report import SoakSettings
 
     try:
-        settings = soak.SoakSettings(
+        settings = SoakSettings(
             duration_s=args.duration,
             max_faults=args.max_faults,
             seed=args.seed,
