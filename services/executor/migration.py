@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal
 
 from nats.aio.client import Client as NatsClient
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from trainmover import bus
 from trainmover.logs import get_logger
@@ -70,6 +70,15 @@ class MigrationRecord(Message):
     results: dict[str, dict[str, Any]] = Field(default_factory=dict)
     groups_total: int | None = None
     error: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named_step_before(cls, data: Any) -> Any:
+        """A record stored by an executor of an earlier version names its phase `step`:
+        an upgraded executor resumes it rather than refusing it."""
+        if isinstance(data, dict) and "step" in data and "phase" not in data:
+            data = {("phase" if k == "step" else k): v for k, v in data.items()}
+        return data
 
 
 class MigrationFailed(RuntimeError):

@@ -4,6 +4,7 @@ commit(k) came too late (its record write waited while the ranks trained on)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -184,3 +185,12 @@ async def test_commit_rounds_are_bounded(nc: NatsClient, job: str) -> None:
     assert len(recorded) == COMMIT_ROUNDS
     assert final.phase == "failed"
     assert final.error is not None and "too late" in final.error
+
+
+def test_a_record_stored_before_phases_were_named_phase_resumes_in_its_phase() -> None:
+    plan = _plan("j")
+    stored = json.loads(MigrationRecord(plan=plan, phase="committing").to_json())
+    stored["step"] = stored.pop("phase")
+    record = decode(MigrationRecord, json.dumps(stored).encode())
+    assert record.phase == "committing"
+    assert record.plan == plan
