@@ -4,8 +4,8 @@ commit(k) came too late (its record write waited while the ranks trained on)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
