@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainmover.chaos.faults import FAULT_KINDS, SINGLE_SERVER_KINDS
+from trainmover.runtime.layout import Layout
 
 
 @dataclass
@@ -31,6 +32,8 @@ class SoakSettings:
     in_order: bool = False
     #: The bus as a JetStream cluster of this many embedded servers (1: one server).
     nats_cluster: int = 1
+    #: The job's layout: TP ranks per machine, PP x DP machines.
+    layout: Layout = field(default_factory=lambda: Layout(tp=2, pp=2, dp=2))
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - set(FAULT_KINDS)

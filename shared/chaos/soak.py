@@ -42,6 +42,7 @@ from trainmover.messages import ClusterState
 from trainmover.runtime.compare import mismatches, state_files
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.driver import LocalJob
+from trainmover.runtime.layout import Layout
 
 log = get_logger("chaos")
 
@@ -49,9 +50,10 @@ log = get_logger("chaos")
 ENDLESS = 100_000_000
 
 
-def soak_config(dump_every: int, standbys: int = 2) -> JobConfig:
-    """The soak's job: the end-to-end job, training until stopped, dumping regularly."""
-    return JobConfig(job="chaos").with_updates(
+def soak_config(dump_every: int, standbys: int = 2, layout: Layout | None = None) -> JobConfig:
+    """The soak's job: the end-to-end job (on `layout`, by default TP2 x PP2 x DP2),
+    training until stopped, dumping regularly."""
+    return JobConfig(job="chaos", layout=layout or JobConfig().layout).with_updates(
         train={"steps": ENDLESS, "dump_every": dump_every},
         runtime={"group_timeout_s": 60, "failure_timeout_s": 60},
         cluster={"standbys": [f"s{i}" for i in range(standbys)], "maintenance_s": 1.0},
@@ -81,10 +83,13 @@ class Soak:
         self.seed = settings.seed if settings.seed is not None else random.randrange(2**31)
         self.rng = random.Random(self.seed)
         self.workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="trainmover-chaos-"))
-        self.config = soak_config(settings.dump_every, settings.standbys)
+        self.config = soak_config(settings.dump_every, settings.standbys, settings.layout)
         self.report = SoakReport(
             seed=self.seed,
-            settings={k: v for k, v in asdict(settings).items() if k != "workdir"},
+            settings={
+                **{k: v for k, v in asdict(settings).items() if k != "workdir"},
+                "layout": settings.layout.label,
+            },
             workdir=str(self.workdir),
         )
         self.returning: set[str] = set()  # machines on their way back to the pool
