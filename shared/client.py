@@ -115,9 +115,13 @@ class TrainMoverClient:
     async def status(self, job: str) -> ClusterState:
         """The planner's current view of `job`; raises UnknownJob when there is none."""
         check_name("job", job)
-        try:
+
+        async def read() -> Any:
             bucket = await bus.job_bucket(self._js, job)
-            entry = await denials.of(self._nc).guard(bucket.get(STATE_KEY), ["$JS.API.>"])
+            return await denials.of(self._nc).guard(bucket.get(STATE_KEY), ["$JS.API.>"])
+
+        try:
+            entry = await bus.through_failover(read, f"status of {job}")
         except (BucketNotFoundError, KeyNotFoundError):
             raise UnknownJob(f"unknown job {job!r}: no planner has registered it") from None
         if entry.value is None:
@@ -265,32 +269,38 @@ class Watch:
         await self._client.status(self._job)  # UnknownJob before subscribing to nothing
         subjects = JobSubjects(self._job)
         policy = DeliverPolicy.ALL if self._from_start else DeliverPolicy.NEW
-        js = self._client._js
-        guard = denials.of(self._client._nc).guard
-        # Streams named, not looked up by subject: a client may not list streams.
         self._subs = [
-            await guard(
-                js.subscribe(
-                    subjects.events,
-                    stream=subjects.stream("EVENTS"),
-                    cb=self._on(decode_event),
-                    ordered_consumer=True,
-                    deliver_policy=policy,
-                ),
-                ["$JS.API.>", "_INBOX.>"],
-            ),
-            await guard(
-                js.subscribe(
-                    subjects.progress,
-                    stream=subjects.stream("PROGRESS"),
-                    cb=self._on(lambda raw: decode(MigrationProgress, raw)),
-                    ordered_consumer=True,
-                    deliver_policy=policy,
-                ),
-                ["$JS.API.>", "_INBOX.>"],
+            await self._subscribe(subjects.events, subjects.stream("EVENTS"), decode_event, policy),
+            await self._subscribe(
+                subjects.progress,
+                subjects.stream("PROGRESS"),
+                lambda raw: decode(MigrationProgress, raw),
+                policy,
             ),
         ]
         return self
+
+    async def _subscribe(
+        self,
+        subject: str,
+        stream: str,
+        parse: Callable[[bytes], Event | MigrationProgress],
+        policy: DeliverPolicy,
+    ) -> Any:
+        """An ordered consumer on `stream` (named, not looked up by subject: a client may
+        not list streams), created through a failover: its creation is answered by the
+        stream's leader, which a server restart in the cluster takes away for seconds."""
+        js = self._client._js
+        guard = denials.of(self._client._nc).guard
+
+        async def create() -> Any:
+            sub = js.subscribe(
+                subject, stream=stream, cb=self._on(parse), ordered_consumer=True,
+                deliver_policy=policy,
+            )  # fmt: skip
+            return await guard(sub, ["$JS.API.>", "_INBOX.>"])
+
+        return await bus.through_failover(create, f"watch {subject}")
 
     def _on(
         self, parse: Callable[[bytes], Event | MigrationProgress]
