@@ -62,10 +62,18 @@ def live_tensors() -> list[torch.Tensor]:
     return [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
 
 
-def kept_bytes(before: weakref.WeakSet[torch.Tensor]) -> int:
-    """Bytes of storage held by tensors created since `before` (the tensors alive then)
-    and still alive, once per storage; storage shared with a tensor of `before` (a view
-    of it) and meta tensors hold none."""
+#: The tensors alive at a point in time, by id (a weak reference tells a reused id).
+TensorSnapshot = dict[int, weakref.ref[torch.Tensor]]
+
+
+def snapshot_tensors() -> TensorSnapshot:
+    return {id(t): weakref.ref(t) for t in live_tensors()}
+
+
+def kept_bytes(before: TensorSnapshot) -> int:
+    """Bytes of storage held by tensors created since `before` and still alive, once per
+    storage; storage shared with a tensor of `before` (a view of it) and meta tensors
+    hold none."""
     gc.collect()
     old: set[int] = set()
     new: dict[int, int] = {}
@@ -76,7 +84,8 @@ def kept_bytes(before: weakref.WeakSet[torch.Tensor]) -> int:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
             continue
-        if tensor in before:
+        ref = before.get(id(tensor))
+        if ref is not None and ref() is tensor:
             old.add(storage.data_ptr())
         else:
             new[storage.data_ptr()] = storage.nbytes()
@@ -96,7 +105,7 @@ def run_shadow(
 ) -> c.Warmed:
     """Runs `warm.iterations` shadow iterations for each of `warm.role_types`;
     `kept_bytes` measures the tensors that outlive them."""
-    before = weakref.WeakSet(live_tensors())
+    before = snapshot_tensors()
     stats = SandboxStats()
     times: dict[str, list[float]] = {}
     for role_type in warm.role_types:
