@@ -184,9 +184,11 @@ def _chaos(args: argparse.Namespace) -> int:
 
     from trainmover.chaos import soak
     from trainmover.chaos.faults import default_kinds
+    from trainmover.chaos.report import SoakSettings
+    from trainmover.runtime.layout import Layout
 
     try:
-        settings = soak.SoakSettings(
+        settings = SoakSettings(
             duration_s=args.duration,
             max_faults=args.max_faults,
             seed=args.seed,
@@ -198,6 +200,7 @@ def _chaos(args: argparse.Namespace) -> int:
             reference=not args.no_reference,
             in_order=args.in_order,
             nats_cluster=args.nats_cluster,
+            layout=Layout.parse(args.layout),
         )
     except ValueError as err:
         raise CliError(str(err)) from None
@@ -328,6 +331,11 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--recovery-timeout", type=float, default=300.0, metavar="SECONDS")
     ch.add_argument("--dump-every", type=int, default=20, help="steps between state dumps")
     ch.add_argument("--standbys", type=int, default=2, help="standby machines of the job")
+    ch.add_argument(
+        "--layout",
+        default="2x2x2",
+        help="the job's TPxPPxDP (default 2x2x2: 4 machines of 2 ranks)",
+    )
     ch.add_argument(
         "--in-order", action="store_true", help="take --kinds in order instead of at random"
     )

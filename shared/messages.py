@@ -13,7 +13,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from trainmover.runtime.layout import Layout, MachineRole
 from trainmover.runtime.plan import Plan as SwitchPlan
@@ -220,7 +228,9 @@ class Plan(SwitchPlan, Message):
     transfer pairs) is the runtime's `SwitchPlan`, so what a worker executes is exactly
     what the planner published. `state_sources` maps each leaver to the machine its
     joiner gets state from: the leaver itself (planned) or a data-parallel replica
-    (unplanned); empty for a checkpoint restart. A recovery that superseded others (a
+    (unplanned); empty for a checkpoint restart: it spells out the moves' own sources
+    (`SwitchPlan.joiner_sources`) for readers of the message, and must agree with them.
+    A recovery that superseded others (a
     failure during a recovery) also ends their failure events, `merged_events`.
     """
 
@@ -235,6 +245,15 @@ class Plan(SwitchPlan, Message):
     switch_step: int | None = Field(default=None, ge=0)
     deadline_ts: float | None = None
     ts: float = Field(default_factory=now)
+
+    @model_validator(mode="after")
+    def _state_sources_agree(self) -> Plan:
+        if self.state_sources != self.joiner_sources():
+            raise ValueError(
+                f"state_sources {self.state_sources} disagree with the sources of the plan's "
+                f"moves {self.joiner_sources()}"
+            )
+        return self
 
 
 CommandOp = Literal[

@@ -290,7 +290,7 @@ class Stack:
     # --- local cluster ---------------------------------------------------------------------
 
     async def _start_cluster(self, config: JobConfig) -> None:
-        from trainmover.runtime.launcher import RendezvousHost
+        from trainmover.runtime.rendezvous import RendezvousHost
 
         host = await asyncio.to_thread(RendezvousHost, self.host)
         self._rendezvous = host

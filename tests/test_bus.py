@@ -9,6 +9,7 @@ import pytest
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from trainmover import bus
+from trainmover.bus import durable
 from trainmover.messages import Command, DeadLetter, DrainEvent, decode, decode_event
 from trainmover.natsserver import EmbeddedNats
 from trainmover.subjects import JobSubjects
@@ -194,7 +195,7 @@ async def test_pump_redelivers_what_a_handler_failed_on_in_order(nc, job, batch)
 
 
 def test_hold_keeps_later_messages_back_until_every_failed_one_is_handled():
-    hold = bus._Hold()
+    hold = durable._Hold()
     hold.fail(5)
     hold.fail(3)
     assert not hold.holds_back(2) and not hold.holds_back(3)  # earlier ones go ahead
@@ -209,8 +210,8 @@ def test_hold_keeps_later_messages_back_until_every_failed_one_is_handled():
 
 def test_hold_lets_go_of_a_message_that_never_comes_back():
     clock = [100.0]
-    hold = bus._Hold(clock=lambda: clock[0])
+    hold = durable._Hold(clock=lambda: clock[0])
     hold.fail(5)
     assert hold.holds_back(6)
-    clock[0] += bus.HOLD_MAX_S + 1
+    clock[0] += durable.HOLD_MAX_S + 1
     assert not hold.holds_back(6)

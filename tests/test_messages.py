@@ -132,6 +132,14 @@ def test_nested_errors_name_the_path():
         decode(Plan, json.dumps(bad))
 
 
+def test_a_plan_whose_state_sources_disagree_with_its_moves_is_refused():
+    plan = json.loads(EXAMPLES[6].to_json())
+    assert plan["state_sources"] == {"m0": "m0"}  # the leaver sends its own state
+    plan["state_sources"] = {"m0": "m2"}
+    with pytest.raises(MessageError, match="disagree with the sources of the plan's moves"):
+        decode(Plan, json.dumps(plan))
+
+
 def test_subjects_are_namespaced_by_job():
     a, b = JobSubjects("a"), JobSubjects("b")
     assert a.event("drain") == "tm.a.events.drain"

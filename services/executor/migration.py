@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal
 
 from nats.aio.client import Client as NatsClient
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from trainmover import bus
 from trainmover.logs import get_logger
@@ -49,7 +49,7 @@ from trainmover.services.executor.switch import COMMIT_ROUNDS, judge_commit, swi
 
 log = get_logger("executor")
 
-Step = Literal[
+Phase = Literal[
     "phase1", "committing", "recovering", "transferring", "releasing", "done", "failed", "withdrawn"
 ]
 """`withdrawn`: the planner cancelled the plan (a recovery superseded it); nothing more
@@ -62,7 +62,7 @@ class MigrationRecord(Message):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=False)
 
     plan: Plan
-    step: Step = "phase1"
+    phase: Phase = "phase1"
     commit_step: int | None = None
     #: Commit rounds refused as too late so far (see `switch`): the next k's margin.
     commit_round: int = 0
@@ -72,13 +72,22 @@ class MigrationRecord(Message):
     groups_total: int | None = None
     error: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _named_step_before(cls, data: Any) -> Any:
+        """A record stored by an executor of an earlier version names its phase `step`:
+        an upgraded executor resumes it rather than refusing it."""
+        if isinstance(data, dict) and "step" in data and "phase" not in data:
+            data = {("phase" if k == "step" else k): v for k, v in data.items()}
+        return data
+
 
 class MigrationFailed(RuntimeError):
     pass
 
 
 def downtime(before_end: float, after_end: float, median_step_s: float) -> float:
-    """DESIGN.md: from the end of the last step completed before the migration to the end
+    """docs/glossary.md: from the end of the last step completed before the migration to the end
     of the first step completed after it, minus one normal step."""
     return max(0.0, after_end - before_end - median_step_s)
 
@@ -147,25 +156,25 @@ class Migration:
 
     async def run(self) -> MigrationRecord:
         """Drives the record to done (or failed); returns the final record."""
-        if self.plan.migration != "planned" and self.record.step == "phase1":
-            self.record.step = "recovering"
+        if self.plan.migration != "planned" and self.record.phase == "phase1":
+            self.record.phase = "recovering"
         try:
-            while self.record.step not in ("done", "failed"):
+            while self.record.phase not in ("done", "failed"):
                 await self._advance()
         except Exception as err:
-            return await self._fail(f"{self.record.step}: {type(err).__name__}: {err}")
+            return await self._fail(f"{self.record.phase}: {type(err).__name__}: {err}")
         return self.record
 
     async def _advance(self) -> None:
-        step = self.record.step
+        phase = self.record.phase
         t0 = time.time()
-        if step == "phase1":
+        if phase == "phase1":
             await self._progress("phase1", "building the delta groups in the background")
             results = await self._all("prepare", self.affected())
             self.record.results["prepare"] = results
             self._phase("prepare", t0)
             await self._enter("committing")
-        elif step == "committing":
+        elif phase == "committing":
             k = self.record.commit_step
             if k is None:
                 statuses = await self._all("status", self.affected(), plan=False)
@@ -189,7 +198,7 @@ class Migration:
             await self._progress("committing", f"switch after step {self.record.commit_step}")
             self._phase("commit", t0)
             await self._enter("transferring")
-        elif step == "recovering":
+        elif phase == "recovering":
             machines = self.record.results.get("machines", {}).get("recovery")
             if machines is None:
                 joiners = sorted(self.plan.joiners())
@@ -201,7 +210,7 @@ class Migration:
             self.record.results["recover"] = await self._all("recover", machines)
             self._phase("recover", t0)
             await self._enter("transferring")
-        elif step == "transferring":
+        elif phase == "transferring":
             recovery = self.plan.migration != "planned"
             machines = self.record.results["machines"]["recovery"] if recovery else self.affected()
             await self._progress("transferring", "state to the joiner")
@@ -214,7 +223,7 @@ class Migration:
             await self._enter("done" if recovery else "releasing")
             if recovery:
                 await self._progress("done", self._summary(), final=True)
-        elif step == "releasing":
+        elif phase == "releasing":
             leavers = ", ".join(sorted(self.plan.leavers()))
             await self._progress("releasing", f"{leavers} go(es) to maintenance")
             await self._all("release", list(self.plan.leavers()))
@@ -309,8 +318,8 @@ class Migration:
     def _phase(self, name: str, t0: float) -> None:
         self.record.phases[name] = time.time() - t0
 
-    async def _enter(self, step: Step) -> None:
-        self.record.step = step
+    async def _enter(self, phase: Phase) -> None:
+        self.record.phase = phase
         await self._save(self.record)
 
     async def _progress(self, state: MigrationState, detail: str, final: bool = False) -> None:
@@ -340,10 +349,10 @@ class Migration:
             job=self.plan.job,
             plan_id=self.plan.plan_id,
             event_id=self.plan.event_id,
-            step=self.record.step,
+            phase=self.record.phase,
             error=error,
         )
-        self.record.step = "failed"
+        self.record.phase = "failed"
         self.record.error = error
         await self._save(self.record)
         if self.plan.migration == "planned":

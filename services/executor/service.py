@@ -11,7 +11,7 @@ recovery, is told to kill its workers (`fencing`).
 
 The executor follows the planner's cluster state: a plan the planner withdrew (it was in
 the in-flight set and is no longer, unfinished: a recovery superseded it) is not started,
-or is stopped where it is (record step `withdrawn`), and the machines it left half way
+or is stopped where it is (record phase `withdrawn`), and the machines it left half way
 are told to `abort` it: a joiner that may hold its role is relaunched as a standby, a
 live leaver keeps its role. Every plan in a record was in the in-flight set before the
 record existed (the planner stores a decision before publishing it), so a resumed
@@ -191,12 +191,12 @@ class ExecutorService:
         """Runs a stored migration that is not over and not running, unless the planner
         withdrew it (`in_flight`: its in-flight plans, None where unknown)."""
         plan_id = record.plan.plan_id
-        if record.step in ("done", "failed", "withdrawn") or plan_id in self._running:
+        if record.phase in ("done", "failed", "withdrawn") or plan_id in self._running:
             return
         if in_flight is not None and _withdrawn(record, in_flight):
             await self._withdraw(record, None)
             return
-        log.info("migration_launched", job=self.job, plan_id=plan_id, step=record.step)
+        log.info("migration_launched", job=self.job, plan_id=plan_id, phase=record.phase)
         self._launch(record)
 
     def _launch(self, record: MigrationRecord) -> None:
@@ -219,7 +219,7 @@ class ExecutorService:
             timeout_s=self.timeout_s,
         )
         final = await migration.run()
-        outcome = "done" if final.step == "done" else "failed"
+        outcome = "done" if final.phase == "done" else "failed"
         self._m_migrations.labels(kind=final.plan.migration, outcome=outcome).inc()
         if outcome == "done":
             self._m_downtime.observe(final.phases.get("downtime", 0.0))
@@ -261,10 +261,10 @@ class ExecutorService:
         plan = record.plan
         task = self._running.pop(plan.plan_id, None)
         if task is not None:
-            if record.step in ("done", "failed"):
+            if record.phase in ("done", "failed"):
                 return  # it ended on its own; the planner dropped it for that reason
             await cancel_and_wait([task], owner="executor")
-        record.step = "withdrawn"
+        record.phase = "withdrawn"
         await self._save(record)
         log.warning(
             "migration_withdrawn",
@@ -374,4 +374,4 @@ class ExecutorService:
 def _withdrawn(record: MigrationRecord, in_flight: set[str]) -> bool:
     """The planner dropped the plan before its switch. At `releasing` every rank has
     switched and the planner lets the plan go; its release still runs to its end."""
-    return record.plan.plan_id not in in_flight and record.step != "releasing"
+    return record.plan.plan_id not in in_flight and record.phase != "releasing"

@@ -14,6 +14,7 @@ Modules, one job each:
     dedup         incident table, bounded seen-window, token bucket (pure)
     events        deterministic event ids (pure)
     store         open incidents persisted in the job's health bucket
+    signals       heartbeats, step stats, collective errors, stalls, lapses -> events
     emitter       one event per incident, published durably
     webhook       POST /webhook
     httpserver    the HTTP endpoints (aiohttp) with flood and slow-client limits

@@ -20,26 +20,10 @@ from __future__ import annotations
 
 from trainmover.messages import ClusterState
 from trainmover.services.health_monitor.dedup import Incident
-from trainmover.services.planner.decisions import role_type
+from trainmover.services.planner.plans import free_standby
 
 REJECTED = "rejected"
 """The planner's record, in `ClusterState.handled`, of an event it turned down."""
-
-
-def free_standby(state: ClusterState, machine: str) -> str | None:
-    """A standby warm for `machine`'s role type and free to join, if any."""
-    cell = state.machines[machine].cell
-    if cell is None:
-        return None
-    wanted = role_type(state.layout, cell)
-    return next(
-        (
-            name
-            for name, m in sorted(state.machines.items())
-            if m.status == "standby" and wanted in m.warm_role_types
-        ),
-        None,
-    )
 
 
 def reason_to_ask_again(

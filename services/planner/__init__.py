@@ -4,7 +4,12 @@
     python -m trainmover.services.planner --job-config job.yaml
 
 Modules, one job each:
-    decisions  the rules: event/progress/heartbeat + state -> new state and plans (pure)
+    decisions  the entry point: event/progress/heartbeat + state -> new state and plans (pure)
+    drain      planned migrations (drain, straggler, rebalance), and one caught by a recovery
+    recovery   failures: replica or checkpoint recovery, superseding, waiting for standbys
+    pool       admission of a heartbeat's machine to the standby pool (pure)
+    plans      outcomes, joiner choice, and building a plan with its delta (pure)
+    cluster    reads and edits of the cluster state shared by the rules (pure)
     service    durable consumers, the state in the key-value bucket, the outbox
 """
 

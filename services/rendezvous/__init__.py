@@ -4,7 +4,7 @@
     python -m trainmover.services.rendezvous ...
 
 Every worker builds its communication groups, and votes on each step's commit, through
-one TCPStore (`trainmover.runtime.launcher.RendezvousHost`). `trainmover up` hosts it in
+one TCPStore (`trainmover.runtime.rendezvous.RendezvousHost`). `trainmover up` hosts it in
 its own process; on a cluster this service does, on a machine that is never migrated
 away, and every sidecar is started with `--rendezvous HOST:29400` (or
 $TRAINMOVER_RENDEZVOUS). It needs no bus: /healthz answers once the store answers a

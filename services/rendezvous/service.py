@@ -16,7 +16,7 @@ from trainmover.httpserver import HttpServer, serve_observability
 from trainmover.logs import get_logger
 from trainmover.metric_names import RENDEZVOUS_KEYS
 from trainmover.metrics import Registry
-from trainmover.runtime.launcher import RendezvousHost
+from trainmover.runtime.rendezvous import RendezvousHost
 from trainmover.service import write_port_file
 
 log = get_logger("rendezvous")

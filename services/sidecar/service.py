@@ -43,7 +43,6 @@ from trainmover.runtime.config import JobConfig
 from trainmover.runtime.plan import RankRef
 from trainmover.service import write_port_file
 from trainmover.services.executor.fencing import fenced_in
-from trainmover.services.planner.decisions import role_types
 from trainmover.services.sidecar.workers import MachineWorkers
 from trainmover.subjects import STATE_KEY, JobSubjects
 from trainmover.tasks import cancel_and_wait
@@ -364,7 +363,7 @@ class Sidecar:
     async def _warm(self, timeout: float) -> dict[str, object]:
         """Shadow iterations for every role type of the job; the heartbeat then offers the
         machine to the planner as warm for them."""
-        types = role_types(self.s.config.layout)
+        types: list[str] = list(self.s.config.layout.role_types())
         result = await asyncio.to_thread(self.workers.warm, types, timeout)
         self._warm_types = list(result["role_types"])  # type: ignore[call-overload]
         self._beat_now.set()

@@ -13,7 +13,7 @@ Downtime:
 - failure: SIGKILL of the worker serving role (dp 0, pp 0, tp 0) in the middle of the
   step halfway between two checkpoints; downtime = kill -> first step done after the
   restart + the steps recomputed since the last checkpoint x the normal step (the issue's
-  definition); `end_to_end_s` is DESIGN.md's (end of the last step before the kill ->
+  definition); `end_to_end_s` is the glossary's downtime (end of the last step before the kill ->
   end of the same step number + 1 after recovery, minus a normal step).
 - planned (save-and-restart): every rank checkpoints at step S and exits, a new torchrun
   is launched at once and resumes; downtime = end of S -> end of S + 1 minus a normal step.

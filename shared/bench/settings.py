@@ -35,10 +35,9 @@ def harness_timeout_s(config: JobConfig) -> float:
 def parse_layout(text: str) -> Layout:
     """'2x2x2' -> Layout(tp=2, pp=2, dp=2) (TP x PP x DP)."""
     try:
-        tp, pp, dp = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"layout {text!r} is not TPxPPxDP") from None
-    return Layout(tp=tp, pp=pp, dp=dp)
+        return Layout.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 DEFAULT_LAYOUT = Layout(tp=2, pp=2, dp=2)

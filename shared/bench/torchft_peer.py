@@ -4,7 +4,7 @@ peer while the survivors carry on with fewer replicas.
 
 Measured per heartbeat timeout of the lighthouse:
 - survivors' stall (``downtime_s``): end of the survivor's last step before the kill ->
-  end of its first committed step after it, minus a normal step (DESIGN.md's downtime);
+  end of its first committed step after it, minus a normal step (docs/glossary.md's downtime);
 - heal: kill -> the restarted replica's first committed step;
 - reduced-batch steps: survivor steps committed with fewer than all replicas, and the
   work they lost (the missing replicas' share of those steps' batches).

@@ -2,7 +2,7 @@
 
 One job is kept alive across repetitions. Each event hits the machine that serves cell
 (dp 0, pp 0): a planned migration moves it to a standby and is measured with
-`trainmover.runtime.bench.measure` (downtime per DESIGN.md, phases, group build time);
+`trainmover.runtime.bench.measure` (downtime per docs/glossary.md, phases, group build time);
 a failure SIGKILLs it mid-step and the driver's unplanned path recovers its roles onto
 a standby from its DP replica (`measure_failure`). The full system's standbys are warm
 (shadow iterations, run while the job is held: on 2 shared cores they would otherwise
@@ -152,7 +152,7 @@ class TrainMoverJob:
         committed step. `downtime_s` is kill -> first step done after the recovery
         (the re-executed in-flight step: the issue's definition, as for
         checkpoint-restart, whose recomputed steps have no counterpart here);
-        `end_to_end_s` is DESIGN.md's (end of the last step before the kill -> end of
+        `end_to_end_s` is the glossary's downtime (end of the last step before the kill -> end of
         the first after, minus a normal step)."""
         job = self.job
         victim = self.leaver()

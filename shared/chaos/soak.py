@@ -21,30 +21,28 @@ fault's window, and the executor's migration downtimes), and invariant violation
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from trainmover.chaos.faults import (
-    FAULT_KINDS,
     INJECTORS,
     NEEDS_STANDBY,
-    SINGLE_SERVER_KINDS,
     FaultContext,
     Injection,
 )
 from trainmover.chaos.invariants import check_accounting, check_replicas, dump_files
 from trainmover.chaos.observer import Observer
+from trainmover.chaos.report import FaultRecord, SoakReport, SoakSettings, print_summary
 from trainmover.localcluster import FAST_SIGNALS, LocalCluster
 from trainmover.logs import get_logger
 from trainmover.messages import ClusterState
 from trainmover.runtime.compare import mismatches, state_files
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.driver import LocalJob
+from trainmover.runtime.layout import Layout
 
 log = get_logger("chaos")
 
@@ -52,106 +50,10 @@ log = get_logger("chaos")
 ENDLESS = 100_000_000
 
 
-@dataclass
-class SoakSettings:
-    duration_s: float = 600.0
-    max_faults: int = 40
-    seed: int | None = None
-    kinds: tuple[str, ...] = SINGLE_SERVER_KINDS
-    workdir: Path | None = None
-    recovery_timeout_s: float = 300.0
-    dump_every: int = 20
-    #: Standby machines: every fault but a server restart takes one from the pool until
-    #: its machine is back and warm, so more standbys allow more faults per minute.
-    standbys: int = 2
-    reference: bool = True
-    #: Take `kinds` in their order, round and round, instead of at random.
-    in_order: bool = False
-    #: The bus as a JetStream cluster of this many embedded servers (1: one server).
-    nats_cluster: int = 1
-
-    def __post_init__(self) -> None:
-        unknown = set(self.kinds) - set(FAULT_KINDS)
-        if unknown or not self.kinds:
-            raise ValueError(
-                f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(FAULT_KINDS)}"
-            )
-        if self.duration_s <= 0 or self.max_faults < 1 or self.dump_every < 1:
-            raise ValueError("duration, max faults and dump interval must be positive")
-        if self.standbys < 1:
-            raise ValueError("the soak needs at least one standby")
-        if "nats_node_kill" in self.kinds and self.nats_cluster < 3:
-            raise ValueError("nats_node_kill needs a bus cluster: --nats-cluster 3 (or more)")
-
-
-@dataclass
-class FaultRecord:
-    index: int
-    kind: str
-    target: str | None
-    detail: str
-    at_s: float
-    step: int
-    recovered: bool = False
-    recovery_s: float | None = None
-    #: Training time lost in the fault's window: wall time minus steps done times the
-    #: normal step time measured before the fault.
-    lost_s: float | None = None
-    migration_downtime_s: list[float] = field(default_factory=list)
-    migrations: list[str] = field(default_factory=list)
-    violations: list[str] = field(default_factory=list)
-
-
-@dataclass
-class SoakReport:
-    seed: int
-    settings: dict[str, object]
-    faults: list[FaultRecord] = field(default_factory=list)
-    violations: list[str] = field(default_factory=list)
-    final_step: int | None = None
-    compared_steps: list[int] = field(default_factory=list)
-    bitexact: bool | None = None
-    wall_s: float = 0.0
-    workdir: str = ""
-
-    def summary(self) -> dict[str, object]:
-        kinds: dict[str, dict[str, object]] = {}
-        for kind in sorted({f.kind for f in self.faults}):
-            mine = [f for f in self.faults if f.kind == kind]
-            lost = [f.lost_s for f in mine if f.lost_s is not None]
-            mig = [d for f in mine for d in f.migration_downtime_s]
-            kinds[kind] = {
-                "injected": len(mine),
-                "recovered": sum(f.recovered for f in mine),
-                "lost_s_median": _median(lost),
-                "lost_s_max": max(lost, default=None),
-                "migration_downtime_s_median": _median(mig),
-                "migration_downtime_s_max": max(mig, default=None),
-                "recovery_s_median": _median([f.recovery_s for f in mine if f.recovery_s]),
-            }
-        violations = [v for f in self.faults for v in f.violations] + self.violations
-        return {
-            "seed": self.seed,
-            "wall_s": round(self.wall_s, 1),
-            "faults_injected": len(self.faults),
-            "faults_recovered": sum(f.recovered for f in self.faults),
-            "invariant_violations": len(violations),
-            "final_step": self.final_step,
-            "bitexact_to_reference": self.bitexact,
-            "by_kind": kinds,
-        }
-
-    def to_json(self) -> str:
-        return json.dumps({"summary": self.summary(), **asdict(self)}, indent=2, default=str)
-
-
-def _median(values: list[float]) -> float | None:
-    return round(statistics.median(values), 3) if values else None
-
-
-def soak_config(dump_every: int, standbys: int = 2) -> JobConfig:
-    """The soak's job: the end-to-end job, training until stopped, dumping regularly."""
-    return JobConfig(job="chaos").with_updates(
+def soak_config(dump_every: int, standbys: int = 2, layout: Layout | None = None) -> JobConfig:
+    """The soak's job: the end-to-end job (on `layout`, by default TP2 x PP2 x DP2),
+    training until stopped, dumping regularly."""
+    return JobConfig(job="chaos", layout=layout or JobConfig().layout).with_updates(
         train={"steps": ENDLESS, "dump_every": dump_every},
         runtime={"group_timeout_s": 60, "failure_timeout_s": 60},
         cluster={"standbys": [f"s{i}" for i in range(standbys)], "maintenance_s": 1.0},
@@ -181,10 +83,13 @@ class Soak:
         self.seed = settings.seed if settings.seed is not None else random.randrange(2**31)
         self.rng = random.Random(self.seed)
         self.workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="trainmover-chaos-"))
-        self.config = soak_config(settings.dump_every, settings.standbys)
+        self.config = soak_config(settings.dump_every, settings.standbys, settings.layout)
         self.report = SoakReport(
             seed=self.seed,
-            settings={k: v for k, v in asdict(settings).items() if k != "workdir"},
+            settings={
+                **{k: v for k, v in asdict(settings).items() if k != "workdir"},
+                "layout": settings.layout.label,
+            },
             workdir=str(self.workdir),
         )
         self.returning: set[str] = set()  # machines on their way back to the pool
@@ -485,37 +390,6 @@ class Soak:
             f"compared {len(steps)} dump steps with the reference: "
             + ("bit-identical" if self.report.bitexact else f"{len(differences)} differences")
         )
-
-
-def print_summary(report: SoakReport) -> None:
-    summary = report.summary()
-    print()
-    print(f"chaos soak summary (seed {report.seed}, {summary['wall_s']}s)")
-    print(
-        f"faults injected {summary['faults_injected']}, recovered {summary['faults_recovered']}, "
-        f"invariant violations {summary['invariant_violations']}, final step "
-        f"{summary['final_step']}, bit-identical to the reference: {summary['bitexact_to_reference']}"
-    )
-    print(
-        f"{'kind':<14}{'n':>3}{'ok':>4}{'lost med':>10}{'lost max':>10}{'mig med':>9}{'mig max':>9}"
-    )
-    by_kind: dict[str, dict[str, object]] = summary["by_kind"]  # type: ignore[assignment]
-    for kind, row in by_kind.items():
-        print(
-            f"{kind:<14}{row['injected']:>3}{row['recovered']:>4}"
-            + "".join(f"{_fmt(row[k]):>10}" for k in ("lost_s_median", "lost_s_max"))
-            + "".join(
-                f"{_fmt(row[k]):>9}"
-                for k in ("migration_downtime_s_median", "migration_downtime_s_max")
-            )
-        )
-    violations = [v for f in report.faults for v in f.violations] + report.violations
-    for v in violations:
-        print(f"VIOLATION: {v}")
-
-
-def _fmt(value: object) -> str:
-    return "-" if value is None else f"{value:.2f}s"  # type: ignore[str-format]
 
 
 def main(settings: SoakSettings, json_path: str | None) -> int:

@@ -7,7 +7,7 @@ Failures (issue 5) come first, on the machines the job starts with: each is SIGK
 mid-step by the test-only fault hook at a chosen step and point, detected by the driver
 (its control connection closes), and recovered from its DP replica onto a standby.
 Failure downtime is measured twice: from the kill to the end of the first step done
-after the recovery (the in-flight step re-executed), and DESIGN.md's way (end of the
+after the recovery (the in-flight step re-executed), and the glossary's way (docs/glossary.md: end of the
 last committed step to the end of the next one, minus a normal step), with its phases:
 detect (kill -> noticed), recover (plan sent -> every rank restored: groups rebuilt,
 state transferred), first step (restored -> that step done everywhere).
@@ -18,7 +18,7 @@ delta plan (only the leaver's groups) and a full plan (every group of the job, t
 baseline). Each migration commits `margin` steps past the furthest rank once phase 1 is
 ready, without holding training, as the executor would.
 
-Downtime follows DESIGN.md: from the end of the last step before the switch (step k, the
+Downtime follows docs/glossary.md: from the end of the last step before the switch (step k, the
 last rank to finish it) to the end of the first step after it (k + 1, last rank), minus
 one normal step (the median step period before the event). Phases: prepare (phase 1,
 off the critical path), commit (control round trip), transfer (leaver -> joiner state),

@@ -56,7 +56,7 @@ class Core:
     torch: StandardTorch
     signal: AbortSignal
     records: RecordStore
-    log: structlog.typing.FilteringBoundLogger
+    log: structlog.stdlib.BoundLogger
     accepted: Acceptance
     checkpoint_root: Path
     cond: threading.Condition = field(default_factory=threading.Condition)

@@ -25,9 +25,10 @@ from typing import Any, TypeVar
 from trainmover.runtime import control as c
 from trainmover.runtime import logs
 from trainmover.runtime.config import JobConfig, save_config
-from trainmover.runtime.launcher import ControlServer, RendezvousHost, spawn_worker
+from trainmover.runtime.launcher import ControlServer, spawn_worker
 from trainmover.runtime.layout import MachineRole, Role
 from trainmover.runtime.plan import Plan, RankRef, compute_delta, group_specs
+from trainmover.runtime.rendezvous import RendezvousHost
 from trainmover.runtime.supervisor import RankCommands, RankTracker, stop_processes
 
 REFERENCE_ENTRY = "trainmover.runtime.reference"

@@ -1,10 +1,9 @@
-"""Local launcher: hosts the rendezvous store and the control channel, starts workers.
+"""Local launcher: hosts the control channel and starts workers.
 
-The rendezvous store lives in the supervising process, never on a training machine that
-could be migrated away; `RendezvousHost` can be replaced by any reachable TCPStore
-(pass its address), e.g. one a control-plane service hosts. Each worker is a real
-process (`python -m <entry>`) that connects back to the `ControlServer`; the launcher
-knows machines and local ranks, not roles; roles come from whoever answers hello.
+Each worker is a real process (`python -m <entry>`) that connects back to the
+`ControlServer`; the launcher knows machines and local ranks, not roles; roles come from
+whoever answers hello. It does not import torch: a sidecar that only starts and
+supervises workers stays light (the rendezvous store is `trainmover.runtime.rendezvous`).
 """
 
 from __future__ import annotations
@@ -15,47 +14,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
-
 from trainmover.runtime import control as c
-from trainmover.runtime import worker as w
+from trainmover.runtime.env import ENV_CONFIG, ENV_CONTROL, ENV_LOCAL_RANK, ENV_MACHINE, ENV_RUN_DIR
 from trainmover.runtime.plan import RankRef
 
 HelloHandler = Callable[[c.Hello], c.Welcome]
 EventSink = Callable[[RankRef, c.Message], None]
-
-
-class RendezvousHost:
-    """A TCPStore server, hosted by this (non-training) process: on an ephemeral port by
-    default, or on `port` (the rendezvous service's). `address` is what workers dial;
-    `host` "0.0.0.0" listens everywhere and `advertise` names this machine then."""
-
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        timeout_s: float = 120.0,
-        port: int = 0,
-        advertise: str | None = None,
-    ):
-        self._store = dist.TCPStore(
-            host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        self.port = self._store.port
-        self.address = f"{advertise or host}:{self.port}"
-
-    def keys(self) -> int:
-        """Keys in the store: a round trip through its server (a liveness check)."""
-        return self._store.num_keys()
-
-    def close(self) -> None:
-        del self._store
 
 
 class ControlServer:
@@ -159,11 +125,11 @@ def spawn_worker(
         # bit-identical continuation, and the cores are shared.
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
-        w.ENV_CONTROL: control_address,
-        w.ENV_MACHINE: ref.machine,
-        w.ENV_LOCAL_RANK: str(ref.local_rank),
-        w.ENV_CONFIG: str(config_path),
-        w.ENV_RUN_DIR: str(run_dir),
+        ENV_CONTROL: control_address,
+        ENV_MACHINE: ref.machine,
+        ENV_LOCAL_RANK: str(ref.local_rank),
+        ENV_CONFIG: str(config_path),
+        ENV_RUN_DIR: str(run_dir),
         # torchrun's per-process variable; the role's (RANK, MASTER_ADDR, ...) are set by
         # the runtime once the process has a role (`trainmover.runtime.pgs`).
         "LOCAL_RANK": str(ref.local_rank),

@@ -55,6 +55,20 @@ class Layout(BaseModel):
     pp: int = Field(default=1, ge=1)
     dp: int = Field(default=1, ge=1)
 
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """'2x2x2' -> Layout(tp=2, pp=2, dp=2) (TP x PP x DP); ValueError naming the text."""
+        try:
+            tp, pp, dp = (int(x) for x in text.lower().split("x"))
+            return cls(tp=tp, pp=pp, dp=dp)
+        except ValueError:
+            raise ValueError(f"layout {text!r} is not TPxPPxDP (three positive integers)") from None
+
+    @property
+    def label(self) -> str:
+        """'TPxPPxDP', as `parse` reads it."""
+        return f"{self.tp}x{self.pp}x{self.dp}"
+
     @property
     def machines(self) -> int:
         return self.pp * self.dp

@@ -1,29 +1,26 @@
-"""Structured logs of the runtime: one JSON event per line on stderr, bound to the job,
-machine, rank and (while one runs) the plan."""
+"""The runtime's logs: the project's one logging set-up (trainmover.logs) as every worker
+uses it. One JSON event per line on stderr, secrets redacted by key and by value, each
+line bound to the job, machine, rank and (while one runs) the plan.
+"""
 
 from __future__ import annotations
 
-import logging
-import sys
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
+from trainmover import logs
 
-def configure(level: int = logging.INFO) -> None:
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
+SERVICE = "runtime"
+"""The `service` key of every runtime log line (the services name their own)."""
 
 
-def get_logger(**context: Any) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger("trainmover.runtime", **context)
+def configure(level: str | None = None, stream: TextIO | None = None) -> None:
+    """Sets up logging in a worker: JSON lines on `stream` (default stderr), at `level`
+    (default from $TRAINMOVER_LOG_LEVEL, else info)."""
+    logs.configure("json", level, stream)
+
+
+def get_logger(**context: Any) -> structlog.stdlib.BoundLogger:
+    """A runtime logger bound to `context` (job, machine, local_rank, plan_id...)."""
+    return logs.get_logger(SERVICE, **context)

@@ -100,9 +100,16 @@ class Plan(BaseModel):
     #: one of them abandons it for this plan and refuses it from then on.
     supersedes: list[str] = Field(default_factory=list)
 
+    def joiner_sources(self) -> dict[str, str]:
+        """leaver -> the machine its joiner's state comes from (the leaver itself, or a
+        data-parallel replica when unplanned); empty for a checkpoint restore."""
+        if self.restore != "transfer":
+            return {}
+        return {m.leaver: m.state_source for m in self.moves}
+
     def sources(self) -> set[str]:
         """Machines that send state to a joiner (leavers, or replicas when unplanned)."""
-        return {m.state_source for m in self.moves} if self.restore == "transfer" else set()
+        return set(self.joiner_sources().values())
 
     def leavers(self) -> set[str]:
         return {m.leaver for m in self.moves}

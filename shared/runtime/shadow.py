@@ -188,7 +188,7 @@ def warm_up(
     round_id: str,
     timeout_s: float,
     store_known: bool,
-    log: structlog.typing.FilteringBoundLogger,
+    log: structlog.stdlib.BoundLogger,
 ) -> c.Warmed:
     """A standby's answer to `warm`: `run_shadow`, or the error that stopped it (a
     failed warm-up leaves a usable, cold, standby)."""

@@ -52,6 +52,7 @@ from trainmover.runtime.abort import AbortSignal, StepAborted
 from trainmover.runtime.acceptance import Acceptance
 from trainmover.runtime.config import JobConfig, load_config
 from trainmover.runtime.core import Core, SupervisorGone
+from trainmover.runtime.env import ENV_CONFIG, ENV_CONTROL, ENV_LOCAL_RANK, ENV_MACHINE, ENV_RUN_DIR
 from trainmover.runtime.epochs import VoteEpochs
 from trainmover.runtime.groups import GroupBuilder, GroupTable, pick_device
 from trainmover.runtime.layout import Role
@@ -64,13 +65,6 @@ from trainmover.runtime.shadow import ShadowFn, warm_up
 from trainmover.runtime.standard import StandardTorch
 from trainmover.runtime.state import Stateful, TrainingState
 from trainmover.runtime.steptime import StepTimer
-
-#: Environment the launcher sets for every worker process.
-ENV_CONTROL = "TM_CONTROL"
-ENV_MACHINE = "TM_MACHINE"
-ENV_LOCAL_RANK = "TM_LOCAL_RANK"
-ENV_CONFIG = "TM_CONFIG"
-ENV_RUN_DIR = "TM_RUN_DIR"
 
 
 class Runtime:
@@ -161,7 +155,7 @@ class Runtime:
         return self._core.accepted.role
 
     @property
-    def log(self) -> structlog.typing.FilteringBoundLogger:
+    def log(self) -> structlog.stdlib.BoundLogger:
         """This rank's logger, bound to its job, machine and (once it has one) role."""
         return self._core.log
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trainmover.chaos.invariants import check_accounting, check_replicas, has_come_back
-from trainmover.chaos.soak import SoakSettings, soak_config
+from trainmover.chaos.report import SoakSettings
+from trainmover.chaos.soak import soak_config
 from trainmover.messages import ClusterState, Heartbeat, MachineState, WorkerStatus
 from trainmover.runtime.layout import MachineRole
 

@@ -1,5 +1,5 @@
-"""`trainmover chaos`, bounded: two faults of two kinds, invariants hold, the run ends
-bit-identical to the uninterrupted reference. Two faults need no standby back from
+"""`trainmover chaos`, bounded: two faults of two kinds on a job of one rank per machine,
+invariants hold, the run ends bit-identical to the uninterrupted reference. Two faults need no standby back from
 maintenance before the end (the job has two), which is what a third one waited for on a
 loaded host. Each kind of fault is tested end to end in tests/e2e; the 10-minute soak is
 not part of the test suite: it is the same command with its defaults
@@ -33,6 +33,13 @@ def test_bad_fault_kind_is_one_clear_line() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_bad_layout_is_one_clear_line() -> None:
+    result = _chaos("--layout", "2x2", timeout=120)
+    assert result.returncode == 2
+    assert "layout '2x2' is not TPxPPxDP" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.timeout(2400)
 def test_two_faults_recovered_without_violations(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
@@ -46,6 +53,8 @@ def test_two_faults_recovered_without_violations(tmp_path: Path) -> None:
         "3",
         "--dump-every",
         "10",
+        "--layout",
+        "1x2x2",
         "--workdir",
         str(tmp_path / "run"),
         "--json",

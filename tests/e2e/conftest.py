@@ -2,8 +2,9 @@
 
 `cluster` is a `LocalCluster` (the stack of `trainmover up`: embedded nats-server,
 planner, executor, health-monitor, one sidecar per machine with real worker processes)
-for a TP2 x PP2 x DP2 job on 4 machines of 2 ranks plus 2 standbys. `reference` is the
-same job and seed run once per session without any migration, for the bit-exact check.
+for a TP2 x PP2 x DP2 job on 4 machines of 2 ranks plus 2 standbys (`config`; a test
+may choose another). `reference` is the same training run without any migration, for the
+bit-exact check: one run per session serves every job that trains the same.
 """
 
 from __future__ import annotations
@@ -37,20 +38,39 @@ LONG = CONFIG.with_updates(
     cluster={"standbys": ["s0", "s1", "s2"], "maintenance_s": 3600.0},
 )
 
+#: The same jobs with one rank per machine (no tensor parallelism), half the processes:
+#: for tests whose subject is the control plane (the bus, auth, fencing, durability),
+#: not the layout. The migrations of the 3-D layout are tested on CONFIG and LONG.
+TP1 = CONFIG.with_updates(layout={"tp": 1})
+TP1_LONG = LONG.with_updates(layout={"tp": 1})
+
+
+def _training(config: JobConfig) -> str:
+    """What decides a job's trained state: everything but its length, its dumps and its
+    cluster (standbys, maintenance); a run of N steps is a prefix of a longer one."""
+    return config.with_updates(
+        train={"steps": 1, "dump_steps": [], "dump_every": 0},
+        cluster={"standbys": [], "maintenance_s": 0.0},
+    ).model_dump_json()
+
 
 @pytest.fixture(scope="session")
 def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[JobConfig], dict[str, Path]]:
-    """Uninterrupted runs' final states by role, one run per distinct job config."""
-    done: dict[str, dict[str, Path]] = {}
+    """Uninterrupted runs' final states by role: one run per distinct training, to the
+    longest e2e job's end, saving at each e2e job's last step (CONFIG, LONG and their
+    variants share one run)."""
+    runs: dict[str, tuple[Path, set[int]]] = {}
 
     def reference_for(config: JobConfig) -> dict[str, Path]:
-        key = config.model_dump_json()
-        if key not in done:
+        key, step = _training(config), config.train.steps
+        if key not in runs or step not in runs[key][1]:
             run_dir = tmp_path_factory.mktemp("reference")
-            with LocalJob.launch(config, run_dir, standbys=0, timeout_s=WAIT_S) as job:
+            dumps = {STEPS, LONG_STEPS, step}
+            run = config.with_updates(train={"steps": max(dumps), "dump_steps": sorted(dumps)})
+            with LocalJob.launch(run, run_dir, standbys=0, timeout_s=WAIT_S) as job:
                 job.finish(WAIT_S)
-            done[key] = state_files(run_dir, config.train.steps)
-        return done[key]
+            runs[key] = (run_dir, dumps)
+        return state_files(runs[key][0], step)
 
     return reference_for
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import LONG, LONG_STEPS, WAIT_S
+from tests.e2e.conftest import LONG_STEPS, TP1_LONG, WAIT_S
 from trainmover import bus
 from trainmover.localcluster import LocalCluster
 from trainmover.messages import Command, StragglerEvent
@@ -65,7 +65,7 @@ async def _next_straggler(items: AsyncIterator[object]) -> StragglerEvent:
     raise AssertionError("watch ended")
 
 
-@pytest.mark.parametrize("config", [LONG])
+@pytest.mark.parametrize("config", [TP1_LONG])
 async def test_straggler_kill_and_drain_under_auth(secure_cluster: LocalCluster, reference) -> None:
     cluster = secure_cluster
     job = cluster.job

@@ -20,7 +20,7 @@ import asyncio
 
 import pytest
 
-from tests.e2e.conftest import LONG, LONG_STEPS, WAIT_S
+from tests.e2e.conftest import LONG_STEPS, TP1_LONG, WAIT_S
 from tests.netns.conftest import Lan, lan  # noqa: F401 - the fixture
 from trainmover import bus
 from trainmover.localcluster import LocalCluster
@@ -29,7 +29,7 @@ from trainmover.messages import Command, FailureEvent
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.mark.parametrize("config", [LONG])
+@pytest.mark.parametrize("config", [TP1_LONG])
 async def test_a_machine_cut_off_and_one_stuck_are_named_and_moved(
     lan: Lan,  # noqa: F811 - the fixture
     tmp_path,
@@ -37,7 +37,9 @@ async def test_a_machine_cut_off_and_one_stuck_are_named_and_moved(
 ) -> None:
     lan.add("m1")
     wrap = lan.machine_wrap({"m1"})
-    async with LocalCluster(LONG, tmp_path, host=lan.host_address, machine_wrap=wrap) as cluster:
+    async with LocalCluster(
+        TP1_LONG, tmp_path, host=lan.host_address, machine_wrap=wrap
+    ) as cluster:
         await cluster.wait_step("m1", 10, WAIT_S)
         await cluster.wait_standbys_warm(WAIT_S)
         before = (await cluster.client.status(cluster.job)).machines["m1"].instance

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import LONG, LONG_STEPS, WAIT_S, progress_reaches
+from tests.e2e.conftest import LONG_STEPS, TP1_LONG, WAIT_S, progress_reaches
 from tests.e2e.scenarios import assert_each_once, stream_messages
 from trainmover import bus
 from trainmover.localcluster import FAST_SIGNALS, LocalCluster
@@ -164,4 +164,4 @@ async def test_bus_cluster_faults_lose_nothing(
 
 @pytest.fixture
 def config() -> JobConfig:
-    return LONG
+    return TP1_LONG

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.e2e.conftest import TP1
 from tests.e2e.scenarios import drain_through_fault
 from trainmover.localcluster import LocalCluster as Cluster
 
 pytestmark = pytest.mark.timeout(900)
 
 
+@pytest.mark.parametrize("config", [TP1])
 async def test_server_restart_mid_migration_loses_nothing(cluster: Cluster, reference) -> None:
     async def crash() -> None:
         await cluster.stack.restart_bus(kill=True)

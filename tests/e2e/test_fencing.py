@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import STEPS, WAIT_S
+from tests.e2e.conftest import STEPS, TP1, WAIT_S
 from trainmover.localcluster import LocalCluster as Cluster
 from trainmover.messages import ClusterState
 
@@ -25,6 +25,7 @@ def _holders(state: ClusterState) -> list[tuple[int, int]]:
     )
 
 
+@pytest.mark.parametrize("config", [TP1])
 async def test_a_falsely_failed_machine_is_fenced_and_returns_as_a_standby(
     cluster: Cluster, reference
 ) -> None:

@@ -1,7 +1,9 @@
 """Migrations through the whole system: client -> planner -> executor -> sidecars.
 
 Each test checks that the job kept training and that its final parameters and
-optimizer state are bit-identical to the uninterrupted reference run.
+optimizer state are bit-identical to the uninterrupted reference run. A drain and a
+failure move machines of two ranks (TP2 x PP2 x DP2); the tests of the control plane's
+handling (restarts, two failures at once, stragglers) run with one rank per machine.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import asyncio
 
 import pytest
 
-from tests.e2e.conftest import CONFIG, STEPS, WAIT_S, next_progress, progress_reaches
+from tests.e2e.conftest import STEPS, TP1, WAIT_S, next_progress, progress_reaches
 from trainmover import bus
 from trainmover.client import MachineLeaving, UnknownMachine
 from trainmover.localcluster import LocalCluster as Cluster
@@ -51,6 +53,7 @@ async def test_drain_through_the_client(cluster: Cluster, reference) -> None:
     assert cluster.mismatches(reference, STEPS) == []
 
 
+@pytest.mark.parametrize("config", [TP1])
 async def test_services_restarted_mid_migration_complete_it(cluster: Cluster, reference) -> None:
     await cluster.wait_step("m0", 10, WAIT_S)
     await cluster.wait_standbys_warm(WAIT_S)
@@ -110,6 +113,7 @@ async def test_sigkill_of_a_machine_is_recovered_from_its_replica(
     assert cluster.mismatches(reference, STEPS) == []
 
 
+@pytest.mark.parametrize("config", [TP1])
 async def test_two_machines_killed_at_once_are_recovered_together(
     cluster: Cluster, reference
 ) -> None:
@@ -150,7 +154,7 @@ async def test_two_machines_killed_at_once_are_recovered_together(
 
 
 # Drained machines stay in maintenance: the pool only shrinks during this test.
-@pytest.mark.parametrize("config", [CONFIG.with_updates(cluster={"maintenance_s": 3600})])
+@pytest.mark.parametrize("config", [TP1.with_updates(cluster={"maintenance_s": 3600})])
 async def test_a_straggler_is_moved_and_a_failure_without_standby_falls_back(
     cluster: Cluster,
 ) -> None:

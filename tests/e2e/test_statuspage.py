@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from matplotlib import image
 
-from tests.e2e.conftest import WAIT_S
+from tests.e2e.conftest import TP1, WAIT_S
 from trainmover.localcluster import LocalCluster as Cluster
 from trainmover.statuspage import StatusPage
 
@@ -57,6 +57,7 @@ def row(dom: str, table: str, **data: str) -> str | None:
     return None
 
 
+@pytest.mark.parametrize("config", [TP1])
 async def test_the_status_page_shows_a_drain(cluster: Cluster, tmp_path: Path) -> None:
     page = StatusPage(cluster.nc, cluster.job, cluster.config.train.steps)
     url = await page.start()

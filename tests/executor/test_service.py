@@ -78,7 +78,7 @@ async def test_a_plan_redelivered_after_its_migration_ended_is_not_run_again(
     fresh, state = _plan(job, "m1")
     await register_job(nc, job, state)
     await executor.start()
-    await _store(nc, job, MigrationRecord(plan=ended, step="done"))
+    await _store(nc, job, MigrationRecord(plan=ended, phase="done"))
     starts = await _watch_starts(nc, job)
     # One consumer takes plans in order: once the fresh plan started, the ended one was
     # already handled.

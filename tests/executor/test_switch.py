@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -142,7 +143,7 @@ async def _commit_rounds(
     recorded: list[int] = []
 
     async def save(record: MigrationRecord) -> None:
-        if record.step == "committing" and record.commit_step is not None:
+        if record.phase == "committing" and record.commit_step is not None:
             recorded.append(record.commit_step)
             ranks.passed += steps_per_write.pop(0) if steps_per_write else 0
 
@@ -152,7 +153,7 @@ async def _commit_rounds(
     async def survivors() -> list[str]:
         return []
 
-    record = MigrationRecord(plan=plan, step="committing")
+    record = MigrationRecord(plan=plan, phase="committing")
     migration = Migration(nc, record, save, publish, survivors, timeout_s=10.0, attempt_s=2.0)
     async with asyncio.timeout(30), _answering(nc, job, ranks):
         final = await migration.run()
@@ -182,5 +183,14 @@ async def test_commit_rounds_are_bounded(nc: NatsClient, job: str) -> None:
     # COMMIT_ROUNDS rounds, each one too late.
     final, _, recorded = await _commit_rounds(nc, job, steps_per_write=[100] * COMMIT_ROUNDS)
     assert len(recorded) == COMMIT_ROUNDS
-    assert final.step == "failed"
+    assert final.phase == "failed"
     assert final.error is not None and "too late" in final.error
+
+
+def test_a_record_stored_before_phases_were_named_phase_resumes_in_its_phase() -> None:
+    plan = _plan("j")
+    stored = json.loads(MigrationRecord(plan=plan, phase="committing").to_json())
+    stored["step"] = stored.pop("phase")
+    record = decode(MigrationRecord, json.dumps(stored).encode())
+    assert record.phase == "committing"
+    assert record.plan == plan

@@ -15,7 +15,7 @@ from trainmover.services.health_monitor.dedup import (
 )
 from trainmover.services.health_monitor.events import event_id
 from trainmover.services.health_monitor.heartbeats import HeartbeatTracker, abnormal_exits
-from trainmover.services.health_monitor.reexamine import free_standby, reason_to_ask_again
+from trainmover.services.health_monitor.reexamine import reason_to_ask_again
 from trainmover.services.health_monitor.roster import Roster
 from trainmover.services.health_monitor.rules import (
     RuleSet,
@@ -26,6 +26,7 @@ from trainmover.services.health_monitor.rules import (
 )
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.services.health_monitor.webhook import parse_time
+from trainmover.services.planner.plans import free_standby
 
 from .payloads import RULES_FILE, alert, payload
 

@@ -125,7 +125,7 @@ async def machines(
 ) -> AsyncIterator[list[Program]]:
     """A sidecar with its real worker processes for every machine and standby of the job,
     started the way deploy/ starts them, around a rendezvous store hosted here."""
-    from trainmover.runtime.launcher import RendezvousHost
+    from trainmover.runtime.rendezvous import RendezvousHost
 
     host = RendezvousHost()
     running: list[Program] = []

@@ -18,7 +18,7 @@ from trainmover.messages import (
     WorkerStatus,
 )
 from trainmover.runtime.layout import Layout
-from trainmover.services.planner.decisions import Planner, role_type, role_types
+from trainmover.services.planner.decisions import Planner
 
 JOB = "j"
 NOW = 1000.0
@@ -64,8 +64,8 @@ def statuses(state: ClusterState) -> dict[str, str]:
 
 def test_role_types_by_pipeline_position():
     lay = Layout(tp=1, pp=4, dp=1)
-    assert [role_type(lay, c) for c in lay.cells()] == ["first", "middle", "middle", "last"]
-    assert role_types(Layout(tp=2, pp=1, dp=2)) == ["only"]
+    assert [lay.role_type(c.pp) for c in lay.cells()] == ["first", "middle", "middle", "last"]
+    assert Layout(tp=2, pp=1, dp=2).role_types() == ["only"]
 
 
 def test_drain_plans_a_planned_migration_with_the_delta(planner):

@@ -1,0 +1,63 @@
+"""Bus helpers over nats-py; `from trainmover import bus` reaches all of them.
+
+One module per job:
+
+- `connection`: `connect` (probe first, one clear error for an unreachable URL; the
+  process's credentials, and a refusal of a server that does not check them),
+  `publish` and `subscribe` that raise PermissionDenied when the server refuses them.
+- `jobs`: `ensure_job` creates a job's streams and key-value bucket idempotently
+  (file storage, replicated across a cluster); `job_bucket` opens the bucket.
+- `durable`: `pump` consumes in order through failed handling, `publish_durable`
+  waits for the ack (the message id deduplicates retries), `through_failover` retries
+  a write through a leader election, `dead_letter` records rejected input.
+- `commands`: `request` sends a Command and retries with the same `command_id`;
+  `CommandServer` answers them and replays the reply for a command it already ran.
+"""
+
+from trainmover.bus.commands import CommandFailed, CommandServer, Handler, request
+from trainmover.bus.connection import (
+    BusAuthFailed,
+    BusNotAuthenticated,
+    BusUnreachable,
+    connect,
+    publish,
+    resolve_auth,
+    subscribe,
+)
+from trainmover.bus.durable import (
+    BUS_FAILOVER_ERRORS,
+    DEAD_LETTER_KEEP,
+    FAILOVER_S,
+    dead_letter,
+    publish_durable,
+    pump,
+    through_failover,
+)
+from trainmover.bus.jobs import DUPLICATE_WINDOW_S, MAX_PAYLOAD, ensure_job, job_bucket
+from trainmover.security.denials import PermissionDenied
+
+__all__ = [
+    "BUS_FAILOVER_ERRORS",
+    "DEAD_LETTER_KEEP",
+    "DUPLICATE_WINDOW_S",
+    "FAILOVER_S",
+    "MAX_PAYLOAD",
+    "BusAuthFailed",
+    "BusNotAuthenticated",
+    "BusUnreachable",
+    "CommandFailed",
+    "CommandServer",
+    "Handler",
+    "PermissionDenied",
+    "connect",
+    "dead_letter",
+    "ensure_job",
+    "job_bucket",
+    "publish",
+    "publish_durable",
+    "pump",
+    "request",
+    "resolve_auth",
+    "subscribe",
+    "through_failover",
+]

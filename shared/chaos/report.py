@@ -1,0 +1,150 @@
+"""What a chaos soak is asked to do and what it reports: its settings (checked), one
+record per fault, the report with its summary per fault kind, and the printed summary.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from trainmover.chaos.faults import FAULT_KINDS, SINGLE_SERVER_KINDS
+from trainmover.runtime.layout import Layout
+
+
+@dataclass
+class SoakSettings:
+    """What `trainmover chaos` runs: its flags, checked on construction."""
+
+    duration_s: float = 600.0
+    max_faults: int = 40
+    seed: int | None = None
+    kinds: tuple[str, ...] = SINGLE_SERVER_KINDS
+    workdir: Path | None = None
+    recovery_timeout_s: float = 300.0
+    dump_every: int = 20
+    #: Standby machines: every fault but a server restart takes one from the pool until
+    #: its machine is back and warm, so more standbys allow more faults per minute.
+    standbys: int = 2
+    reference: bool = True
+    #: Take `kinds` in their order, round and round, instead of at random.
+    in_order: bool = False
+    #: The bus as a JetStream cluster of this many embedded servers (1: one server).
+    nats_cluster: int = 1
+    #: The job's layout: TP ranks per machine, PP x DP machines.
+    layout: Layout = field(default_factory=lambda: Layout(tp=2, pp=2, dp=2))
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds) - set(FAULT_KINDS)
+        if unknown or not self.kinds:
+            raise ValueError(
+                f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(FAULT_KINDS)}"
+            )
+        if self.duration_s <= 0 or self.max_faults < 1 or self.dump_every < 1:
+            raise ValueError("duration, max faults and dump interval must be positive")
+        if self.standbys < 1:
+            raise ValueError("the soak needs at least one standby")
+        if "nats_node_kill" in self.kinds and self.nats_cluster < 3:
+            raise ValueError("nats_node_kill needs a bus cluster: --nats-cluster 3 (or more)")
+
+
+@dataclass
+class FaultRecord:
+    """One injected fault: what, where, when, and what recovery it saw."""
+
+    index: int
+    kind: str
+    target: str | None
+    detail: str
+    at_s: float
+    step: int
+    recovered: bool = False
+    recovery_s: float | None = None
+    #: Training time lost in the fault's window: wall time minus steps done times the
+    #: normal step time measured before the fault.
+    lost_s: float | None = None
+    migration_downtime_s: list[float] = field(default_factory=list)
+    migrations: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SoakReport:
+    """A whole soak: its faults, violations and the comparison with the reference."""
+
+    seed: int
+    settings: dict[str, object]
+    faults: list[FaultRecord] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    final_step: int | None = None
+    compared_steps: list[int] = field(default_factory=list)
+    bitexact: bool | None = None
+    wall_s: float = 0.0
+    workdir: str = ""
+
+    def summary(self) -> dict[str, object]:
+        kinds: dict[str, dict[str, object]] = {}
+        for kind in sorted({f.kind for f in self.faults}):
+            mine = [f for f in self.faults if f.kind == kind]
+            lost = [f.lost_s for f in mine if f.lost_s is not None]
+            mig = [d for f in mine for d in f.migration_downtime_s]
+            kinds[kind] = {
+                "injected": len(mine),
+                "recovered": sum(f.recovered for f in mine),
+                "lost_s_median": _median(lost),
+                "lost_s_max": max(lost, default=None),
+                "migration_downtime_s_median": _median(mig),
+                "migration_downtime_s_max": max(mig, default=None),
+                "recovery_s_median": _median([f.recovery_s for f in mine if f.recovery_s]),
+            }
+        violations = [v for f in self.faults for v in f.violations] + self.violations
+        return {
+            "seed": self.seed,
+            "wall_s": round(self.wall_s, 1),
+            "faults_injected": len(self.faults),
+            "faults_recovered": sum(f.recovered for f in self.faults),
+            "invariant_violations": len(violations),
+            "final_step": self.final_step,
+            "bitexact_to_reference": self.bitexact,
+            "by_kind": kinds,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps({"summary": self.summary(), **asdict(self)}, indent=2, default=str)
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def print_summary(report: SoakReport) -> None:
+    """Prints the summary table and every violation."""
+    summary = report.summary()
+    print()
+    print(f"chaos soak summary (seed {report.seed}, {summary['wall_s']}s)")
+    print(
+        f"faults injected {summary['faults_injected']}, recovered {summary['faults_recovered']}, "
+        f"invariant violations {summary['invariant_violations']}, final step "
+        f"{summary['final_step']}, bit-identical to the reference: {summary['bitexact_to_reference']}"
+    )
+    print(
+        f"{'kind':<14}{'n':>3}{'ok':>4}{'lost med':>10}{'lost max':>10}{'mig med':>9}{'mig max':>9}"
+    )
+    by_kind: dict[str, dict[str, object]] = summary["by_kind"]  # type: ignore[assignment]
+    for kind, row in by_kind.items():
+        print(
+            f"{kind:<14}{row['injected']:>3}{row['recovered']:>4}"
+            + "".join(f"{_fmt(row[k]):>10}" for k in ("lost_s_median", "lost_s_max"))
+            + "".join(
+                f"{_fmt(row[k]):>9}"
+                for k in ("migration_downtime_s_median", "migration_downtime_s_max")
+            )
+        )
+    violations = [v for f in report.faults for v in f.violations] + report.violations
+    for v in violations:
+        print(f"VIOLATION: {v}")
+
+
+def _fmt(value: object) -> str:
+    return "-" if value is None else f"{value:.2f}s"  # type: ignore[str-format]
