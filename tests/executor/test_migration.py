@@ -100,7 +100,7 @@ class Harness:
     def migration(self, record: MigrationRecord) -> Migration:
         async def save(record: MigrationRecord) -> None:
             self.saved.append(record.model_copy(deep=True))
-            if record.step == "committing" and record.commit_step and self.passed_while_saving:
+            if record.phase == "committing" and record.commit_step and self.passed_while_saving:
                 self.sidecars.passed += self.passed_while_saving.pop(0)
 
         async def publish(progress: MigrationProgress) -> None:
@@ -130,9 +130,9 @@ def test_planned_migration_runs_every_state_in_order() -> None:
     plan = drain_plan()
     h = harness(plan)
     final = h.run(MigrationRecord(plan=plan))
-    assert final.step == "done" and final.error is None
+    assert final.phase == "done" and final.error is None
     assert h.states() == ["phase1", "committing", "transferring", "releasing", "done"]
-    assert [r.step for r in h.saved] == [
+    assert [r.phase for r in h.saved] == [
         "committing",
         "committing",  # k recorded before any commit(k) goes out
         "transferring",
@@ -190,10 +190,10 @@ def test_command_ids_are_derived_from_plan_op_machine_and_step() -> None:
 def test_a_restarted_executor_resends_the_recorded_switch_step() -> None:
     plan = drain_plan()
     h = harness(plan, passed=11)  # not yet past the recorded k
-    final = h.run(MigrationRecord(plan=plan, step="committing", commit_step=12))
+    final = h.run(MigrationRecord(plan=plan, phase="committing", commit_step=12))
     assert "status" not in [op for op, _ in h.sidecars.ops()]
     assert "prepare" not in [op for op, _ in h.sidecars.ops()]
-    assert final.commit_step == 12 and final.step == "done"
+    assert final.commit_step == 12 and final.phase == "done"
 
 
 def test_a_commit_round_refused_as_too_late_goes_again_with_a_later_recorded_k() -> None:
@@ -201,8 +201,8 @@ def test_a_commit_round_refused_as_too_late_goes_again_with_a_later_recorded_k()
     h = harness(plan)
     h.passed_while_saving = [5]  # k = 12 is written while the ranks pass step 15
     final = h.run(MigrationRecord(plan=plan))
-    assert final.step == "done", final.error
-    assert [r.commit_step for r in h.saved if r.step == "committing"] == [None, 12, 19]
+    assert final.phase == "done", final.error
+    assert [r.commit_step for r in h.saved if r.phase == "committing"] == [None, 12, 19]
     assert final.commit_round == 1 and final.commit_step == 15 + 2 * 2
     commits = [(c.machine, int(c.args["step"])) for c in h.sidecars.sent if c.op == "commit"]
     assert {k for _, k in commits} == {12, 19}
@@ -214,7 +214,7 @@ def test_commit_rounds_are_bounded() -> None:
     h = harness(plan)
     h.passed_while_saving = [100] * COMMIT_ROUNDS  # every write outlasts the margin
     final = h.run(MigrationRecord(plan=plan))
-    assert final.step == "failed"
+    assert final.phase == "failed"
     assert final.error is not None and "too late" in final.error
     assert len({int(c.args["step"]) for c in h.sidecars.sent if c.op == "commit"}) == COMMIT_ROUNDS
 
@@ -223,13 +223,13 @@ def test_a_refused_command_fails_the_migration_and_aborts_the_joiner() -> None:
     plan = drain_plan()
     h = harness(plan, refuse={("transfer", "m1")})
     final = h.run(MigrationRecord(plan=plan))
-    assert final.step == "failed"
+    assert final.phase == "failed"
     assert final.error is not None
     assert final.error.startswith("transferring: MigrationFailed: transfer on m1: no such plan")
     assert h.sidecars.machines("abort") == ["s0"]
     assert "release" not in [op for op, _ in h.sidecars.ops()]
     assert h.states()[-1] == "failed"
-    assert h.saved[-1].step == "failed"
+    assert h.saved[-1].phase == "failed"
 
 
 # -- a failure ---------------------------------------------------------------------------
@@ -240,7 +240,7 @@ def test_recovery_sends_recover_to_survivors_and_joiner_then_ends_without_releas
     assert plan.migration != "planned"
     h = harness(plan)
     final = h.run(MigrationRecord(plan=plan))
-    assert final.step == "done", final.error
+    assert final.phase == "done", final.error
     assert h.states() == ["recovering", "transferring", "done"]
     expected = ["m1", "m2", "m3", *sorted(plan.joiners())]  # m0 is the dead leaver
     assert final.results["machines"]["recovery"] == expected
@@ -264,19 +264,19 @@ def test_a_restarted_recovery_sends_to_the_recorded_machines() -> None:
     h = harness(plan)
     h.survivors = ["m1"]  # the survivors changed since: the record wins
     record = MigrationRecord(
-        plan=plan, step="recovering", results={"machines": {"recovery": ["m1", "m2", "s0"]}}
+        plan=plan, phase="recovering", results={"machines": {"recovery": ["m1", "m2", "s0"]}}
     )
     final = h.run(record)
     assert h.asked_survivors == 0
     assert sorted(h.sidecars.machines("recover")) == ["m1", "m2", "s0"]
-    assert final.step == "done"
+    assert final.phase == "done"
 
 
 def test_a_failed_recovery_sends_no_abort() -> None:
     plan = failure_plan()
     h = harness(plan, refuse={("recover", "m2")})
     final = h.run(MigrationRecord(plan=plan))
-    assert final.step == "failed"
+    assert final.phase == "failed"
     assert final.error is not None and "recover on m2" in final.error
     assert "abort" not in [op for op, _ in h.sidecars.ops()]
 
