@@ -39,6 +39,7 @@ from trainmover.logs import get_logger
 from trainmover.messages import (
     Command,
     CommandOp,
+    CommandReply,
     Message,
     MigrationProgress,
     MigrationState,
@@ -95,6 +96,8 @@ Publish = Callable[[MigrationProgress], Awaitable[None]]
 Save = Callable[[MigrationRecord], Awaitable[None]]
 Survivors = Callable[[], Awaitable[list[str]]]
 """The machines of the job that are alive and keep their roles (for a recovery)."""
+Send = Callable[[Command], Awaitable[CommandReply]]
+"""Sends one command to its machine's sidecar and returns the reply."""
 
 
 class Migration:
@@ -102,7 +105,7 @@ class Migration:
 
     def __init__(
         self,
-        nc: NatsClient,
+        nc: NatsClient | None,
         record: MigrationRecord,
         save: Save,
         publish: Publish,
@@ -114,8 +117,11 @@ class Migration:
         # sent again soon, and a retry of a long-running command only waits for the same
         # run (sidecars answer by command id), so retrying often costs nothing.
         attempt_s: float = 5.0,
+        send: Send | None = None,
     ) -> None:
+        """`send` replaces the bus (`nc`) as the way commands reach the sidecars."""
         self._nc = nc
+        self._send = send or self._request
         self.record = record
         self._save = save
         self._publish = publish
@@ -295,15 +301,19 @@ class Migration:
                 plan_id=self.plan.plan_id,
                 args=payload,
             )
-            reply = await bus.request(
-                self._nc, command, timeout=self.attempt_s, deadline_s=self.timeout_s
-            )
+            reply = await self._send(command)
             if not reply.ok:
                 raise MigrationFailed(f"{op} on {machine}: {reply.error}")
             return reply.result
 
         results = await asyncio.gather(*(one(m) for m in machines))
         return dict(zip(machines, results, strict=True))
+
+    async def _request(self, command: Command) -> CommandReply:
+        assert self._nc is not None, "a migration without a send needs a bus connection"
+        return await bus.request(
+            self._nc, command, timeout=self.attempt_s, deadline_s=self.timeout_s
+        )
 
     def _phase(self, name: str, t0: float) -> None:
         self.record.phases[name] = time.time() - t0

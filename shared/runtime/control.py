@@ -272,8 +272,9 @@ class Warmed(Message):
     local: int
     #: Whether this process knew the rendezvous store while warming (it must not).
     store_known: bool
-    #: Tensor bytes the runtime keeps from the warm-up (0: models are dropped) and the
-    #: process's resident memory afterwards.
+    #: Storage bytes of tensors the warm-up created that are still alive after it
+    #: (measured; 0 when the shadow's models were dropped) and the process's resident
+    #: memory afterwards.
     kept_bytes: int
     rss_bytes: int
     #: Set when the warm-up failed (the standby stays usable, cold).

@@ -9,6 +9,8 @@ survive into training (the joiner builds its role afresh and the transferred sta
 overwrites it anyway). What stays is process-wide warmth, bounded by the process itself:
 imported code (e.g. torch._dynamo, which the first Adam pulls in), kernels and the
 allocator's pools, and, for a compiled model, the compiled graphs and inductor's cache.
+`kept_bytes` in the answer measures what would break this: the storage of tensors that
+the shadow created and that are still reachable once it is over.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 import gc
 import os
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -52,6 +56,42 @@ def rss_bytes() -> int:
         return 0
 
 
+def live_tensors() -> list[torch.Tensor]:
+    """Every tensor object alive in this process that Python can reach."""
+    # type(), not isinstance: some lazy module objects warn when asked their __class__.
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+
+
+#: The tensors alive at a point in time, by id (a weak reference tells a reused id).
+TensorSnapshot = dict[int, weakref.ref[torch.Tensor]]
+
+
+def snapshot_tensors() -> TensorSnapshot:
+    return {id(t): weakref.ref(t) for t in live_tensors()}
+
+
+def kept_bytes(before: TensorSnapshot) -> int:
+    """Bytes of storage held by tensors created since `before` and still alive, once per
+    storage; storage shared with a tensor of `before` (a view of it) and meta tensors
+    hold none."""
+    gc.collect()
+    old: set[int] = set()
+    new: dict[int, int] = {}
+    for tensor in live_tensors():
+        try:
+            if tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
+            continue
+        ref = before.get(id(tensor))
+        if ref is not None and ref() is tensor:
+            old.add(storage.data_ptr())
+        else:
+            new[storage.data_ptr()] = storage.nbytes()
+    return sum(n for ptr, n in new.items() if ptr not in old)
+
+
 def run_shadow(
     me: RankRef,
     layout: Layout,
@@ -63,39 +103,24 @@ def run_shadow(
     timeout_s: float,
     store_known: bool,
 ) -> c.Warmed:
-    """Runs `warm.iterations` shadow iterations for each of `warm.role_types`."""
+    """Runs `warm.iterations` shadow iterations for each of `warm.role_types`;
+    `kept_bytes` measures the tensors that outlive them."""
+    before = snapshot_tensors()
     stats = SandboxStats()
     times: dict[str, list[float]] = {}
     for role_type in warm.role_types:
-        role = layout.role_of_type(role_type, me.local_rank)
-        specs = sandbox_specs(me.machine, layout, f"{round_id}.{role_type}")
-        tp = LocalGroup(local_tp_group(specs["tp"], me, sandbox_dir, timeout_s), stats)
-        record = load_record(records, role_type)
-        groups = GroupTable()
-        groups.install(
-            [
-                tp,
-                SandboxGroup(specs["pp"], role.pp, record, stats, seed_for(role_type, role.tp)),
-                SandboxGroup(specs["dp"], role.dp, {}, stats, seed_for(role_type, role.tp)),
-            ]
+        times[role_type] = _shadow_role(
+            role_type,
+            me,
+            layout,
+            warm.iterations,
+            shadow,
+            records,
+            sandbox_dir,
+            f"{round_id}.{role_type}",
+            timeout_s,
+            stats,
         )
-        rng = torch.get_rng_state()  # the shadow must not move the process's global RNG
-        # c10d groups over the sandbox's, the default group among them, for a loop
-        # written against standard PyTorch (DDP, dist.init_process_group()).
-        c10d = ProcessGroups(layout, role, groups.get, dist.HashStore(), f"{specs['dp'].name}/")
-        try:
-            with activated(c10d, default=True):
-                step = shadow(role, groups)
-                times[role_type] = []
-                for _ in range(warm.iterations):
-                    started = time.perf_counter()
-                    step()
-                    times[role_type].append(time.perf_counter() - started)
-                del step
-        finally:
-            torch.set_rng_state(rng)
-            c10d.close()
-            groups.shutdown()
         gc.collect()
     return c.Warmed(
         role_types=list(warm.role_types),
@@ -104,6 +129,93 @@ def run_shadow(
         synthesized=stats.synthesized,
         local=stats.local,
         store_known=store_known,
-        kept_bytes=0,
+        kept_bytes=kept_bytes(before),
         rss_bytes=rss_bytes(),
     )
+
+
+def _shadow_role(
+    role_type: str,
+    me: RankRef,
+    layout: Layout,
+    iterations: int,
+    shadow: ShadowFn,
+    records: RecordStore,
+    sandbox_dir: Path,
+    sandbox_id: str,
+    timeout_s: float,
+    stats: SandboxStats,
+) -> list[float]:
+    """The shadow iterations of one role type; what they built dies with this frame."""
+    role = layout.role_of_type(role_type, me.local_rank)
+    specs = sandbox_specs(me.machine, layout, sandbox_id)
+    tp = LocalGroup(local_tp_group(specs["tp"], me, sandbox_dir, timeout_s), stats)
+    record = load_record(records, role_type)
+    groups = GroupTable()
+    groups.install(
+        [
+            tp,
+            SandboxGroup(specs["pp"], role.pp, record, stats, seed_for(role_type, role.tp)),
+            SandboxGroup(specs["dp"], role.dp, {}, stats, seed_for(role_type, role.tp)),
+        ]
+    )
+    rng = torch.get_rng_state()  # the shadow must not move the process's global RNG
+    # c10d groups over the sandbox's, the default group among them, for a loop
+    # written against standard PyTorch (DDP, dist.init_process_group()).
+    c10d = ProcessGroups(layout, role, groups.get, dist.HashStore(), f"{specs['dp'].name}/")
+    times = []
+    try:
+        with activated(c10d, default=True):
+            step = shadow(role, groups)
+            for _ in range(iterations):
+                started = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - started)
+    finally:
+        torch.set_rng_state(rng)
+        c10d.close()
+        groups.shutdown()
+    return times
+
+
+def warm_up(
+    me: RankRef,
+    layout: Layout,
+    warm: c.Warm,
+    shadow: ShadowFn | None,
+    records: RecordStore,
+    sandbox_dir: Path,
+    round_id: str,
+    timeout_s: float,
+    store_known: bool,
+    log: structlog.stdlib.BoundLogger,
+) -> c.Warmed:
+    """A standby's answer to `warm`: `run_shadow`, or the error that stopped it (a
+    failed warm-up leaves a usable, cold, standby)."""
+    try:
+        if shadow is None:
+            raise RuntimeError("this job gave wait_for_role no shadow step")
+        warmed = run_shadow(
+            me, layout, warm, shadow, records, sandbox_dir, round_id, timeout_s, store_known
+        )
+    except Exception as exc:
+        log.exception("warm_failed")
+        warmed = c.Warmed(
+            role_types=[],
+            iteration_s={},
+            replayed=0,
+            synthesized=0,
+            local=0,
+            store_known=store_known,
+            kept_bytes=0,
+            rss_bytes=0,
+            error=f"{type(exc).__name__}: {exc}",
+        )
+    log.info(
+        "warmed",
+        role_types=warmed.role_types,
+        iteration_s=warmed.iteration_s,
+        replayed=warmed.replayed,
+        synthesized=warmed.synthesized,
+    )
+    return warmed

@@ -1,0 +1,96 @@
+"""What the parts of one worker's runtime share: its identity, lock, plans and groups.
+
+`Runtime` (`trainmover.runtime.worker`, the user's front), the planned switch
+(`trainmover.runtime.planned`) and the failure recovery (`trainmover.runtime.recovery`)
+each hold this one `Core`. Three kinds of thread use it: the control reader thread
+answers requests, the training thread crosses step boundaries, builder and waiter
+threads build groups and report them ready. `cond` guards `accepted` (the
+plan-acceptance state, `trainmover.runtime.acceptance`) and the step in flight; the
+groups are swapped only by the training thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from trainmover.runtime import control as c
+from trainmover.runtime.abort import AbortSignal
+from trainmover.runtime.acceptance import Acceptance
+from trainmover.runtime.config import JobConfig
+from trainmover.runtime.groups import GroupBuilder, GroupTable
+from trainmover.runtime.layout import Role
+from trainmover.runtime.plan import GroupSpec, RankRef
+from trainmover.runtime.sandbox import RecordStore
+from trainmover.runtime.standard import StandardTorch
+from trainmover.runtime.state import TrainingState
+
+
+class SupervisorGone(RuntimeError):
+    """The control connection closed: nobody can coordinate this rank any more."""
+
+
+def store_client(address: str, timeout_s: float) -> dist.TCPStore:
+    """A client of the job's rendezvous store of its own (a thread must not share one)."""
+    if not address:
+        raise RuntimeError("no rendezvous store known (a standby learns it when it joins)")
+    host, port = c.parse_address(address)
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+@dataclass
+class Core:
+    """One rank's shared runtime state (see the module docstring for who uses what)."""
+
+    me: RankRef
+    config: JobConfig
+    run_dir: Path
+    device: torch.device
+    groups: GroupTable
+    torch: StandardTorch
+    signal: AbortSignal
+    records: RecordStore
+    log: structlog.stdlib.BoundLogger
+    accepted: Acceptance
+    checkpoint_root: Path
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    #: Set once the control connection is open (it calls back into the runtime).
+    conn: c.Connection = field(init=False)
+    #: The rendezvous store; a standby learns it with `prepare` or `recover`.
+    store_address: str = ""
+    state: TrainingState | None = None
+    #: Builds this process started that `Runtime.close` must know about.
+    builders: list[GroupBuilder] = field(default_factory=list)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.config.runtime.group_timeout_s
+
+    @property
+    def committed(self) -> int:
+        """The last step this rank committed (0 before training)."""
+        return self.state.step if self.state is not None else 0
+
+    def take_role(self, role: Role) -> None:
+        """Plays `role` from now on (the role itself is in `accepted`)."""
+        self.accepted.role = role
+        self.torch.take_role(role, self.store_address)
+        self.log = self.log.bind(role=role.key, rank=self.config.layout.global_rank(role))
+
+    def store(self) -> dist.TCPStore:
+        return store_client(self.store_address, self.timeout_s)
+
+    def builder(self, specs: list[GroupSpec], name: str) -> GroupBuilder:
+        """Starts building `specs` in the background."""
+        builder = GroupBuilder(
+            specs, self.me, self.store(), self.config.job, self.device, self.timeout_s, self.signal
+        )
+        # A troubled build is kept to the end: `close` decides how the process exits.
+        self.builders = [b for b in self.builders if b.troubled] + [builder]
+        return builder.start(name)

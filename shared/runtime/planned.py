@@ -1,0 +1,220 @@
+"""The worker side of a planned migration, in the order it happens.
+
+1. `prepare` (control thread): phase 1. The rank takes its part in the plan (leaver,
+   joiner or stayer: `trainmover.runtime.acceptance` decides and refuses), a joiner takes
+   the leaver's role, and the rank's groups of the delta start building in the
+   background while training goes on over the old ones.
+2. `_report_ready` (a waiter thread): once built, `ready` (or `plan_failed`) goes to the
+   supervisor, with how many steps trained during the build.
+3. `commit` (control thread): phase 2 is fixed at a step the rank has not passed yet;
+   nothing changes before that boundary.
+4. `switch` (training thread, at the boundary after the commit step): a leaver sends
+   its full state to its joiner over the transfer pair, shuts its groups down and
+   leaves; a stayer swaps in its new groups and trains on.
+5. `join` (training thread, a joiner before its first step): waits for the commit,
+   receives the leaver's state, installs its groups and trains from the leaver's step.
+
+Each rank reports `switched` when done. A failure's recover plan supersedes a migration
+still in flight (`trainmover.runtime.recovery`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from trainmover.runtime import control as c
+from trainmover.runtime.acceptance import Planned
+from trainmover.runtime.core import Core, SupervisorGone
+from trainmover.runtime.groups import Group, GroupBuilder, retire
+
+
+def transfer_group(built: list[Group]) -> Group:
+    """The transfer pair among a plan's built groups."""
+    return next(g for g in built if g.spec.kind == "transfer")
+
+
+class PlannedSwitch:
+    """Phase 1, commit and phase 2 of planned migrations for one rank."""
+
+    def __init__(self, core: Core, new_epoch: Callable[[str, int], None]):
+        self.core = core
+        #: Starts vote epoch (id, committed step): a joiner's, once it has the state.
+        self._new_epoch = new_epoch
+
+    # -- 1. phase 1 (control thread) ---------------------------------------------------
+
+    def prepare(self, msg: c.Prepare) -> c.PrepareAck:
+        """Starts building this rank's groups of the delta in the background."""
+        core, plan = self.core, msg.plan
+        with core.cond:
+            if msg.store:
+                core.store_address = msg.store
+            generations = {g.spec.kind: g.generation for g in core.groups.values()}
+            decision = core.accepted.prepare(plan, generations)
+            building = [s.name for s in decision.specs]
+            if decision.retry:
+                return c.PrepareAck(step=core.accepted.passed, building=building)
+            if decision.replaced is not None:
+                core.log.warning(
+                    "plan_replaced", plan_id=decision.replaced.plan.plan_id, by=plan.plan_id
+                )
+                decision.replaced.build.discard()
+            if decision.take is not None:
+                core.take_role(decision.take)
+            builder = core.builder(decision.specs, f"prepare-{plan.plan_id}")
+            mig = core.accepted.prepared(plan, decision.part, builder)
+            passed = core.accepted.passed
+            core.cond.notify_all()
+        core.log.info("prepare", plan_id=plan.plan_id, part=decision.part, building=building)
+        threading.Thread(target=self._report_ready, args=(mig, builder), daemon=True).start()
+        return c.PrepareAck(step=passed, building=building)
+
+    # -- 2. ready (waiter thread) ------------------------------------------------------
+
+    def _report_ready(self, mig: Planned, builder: GroupBuilder) -> None:
+        core = self.core
+        try:
+            built = builder.wait(core.timeout_s)
+        except Exception as exc:
+            core.log.error("prepare_failed", plan_id=mig.plan.plan_id, error=str(exc))
+            core.conn.notify(c.PlanFailed(plan_id=mig.plan.plan_id, error=str(exc)))
+            return
+        core.log.info(
+            "ready",
+            plan_id=mig.plan.plan_id,
+            build_s=round(builder.elapsed_s, 4),
+            steps_during_build=mig.steps_during_build,
+        )
+        core.conn.notify(
+            c.Ready(
+                plan_id=mig.plan.plan_id,
+                built=[g.name for g in built],
+                build_s=builder.elapsed_s,
+                steps_during_build=mig.steps_during_build,
+            )
+        )
+
+    # -- 3. commit (control thread) ----------------------------------------------------
+
+    def commit(self, msg: c.Commit) -> c.CommitAck:
+        core = self.core
+        with core.cond:
+            decision = core.accepted.commit(msg.plan_id, msg.step)
+            passed = core.accepted.passed
+            if decision.accepted:
+                core.cond.notify_all()
+        if not decision.accepted:
+            return c.CommitAck(accepted=False, passed=passed, reason=decision.reason)
+        core.log.info("commit", plan_id=msg.plan_id, step=msg.step)
+        return c.CommitAck(accepted=True, passed=passed)
+
+    # -- 4. the switch at the commit step (training thread) ----------------------------
+
+    def switch(self, step: int) -> Literal["left", "switched"]:
+        """Phase 2 at the boundary after `step`, for a leaver or a stayer."""
+        core = self.core
+        mig = core.accepted.planned
+        assert mig is not None and core.state is not None
+        t_start = time.time()
+        built = _builder(mig).wait(core.timeout_s)
+        if mig.part == "leaver":
+            transfer = transfer_group(built)
+            stats = core.state.send(transfer, peer=1, extra={"epoch": core.signal.epoch})
+            transfer.shutdown()
+            closed = [str(g["name"]) for g in core.groups.snapshot().values()]
+            core.groups.shutdown()
+            self._finish(
+                mig,
+                c.Switched(
+                    plan_id=mig.plan.plan_id,
+                    step=step,
+                    part="leaver",
+                    rebuilt=closed,
+                    t_start=t_start,
+                    t_end=time.time(),
+                    transfer_bytes=stats.bytes,
+                    transfer_s=stats.seconds,
+                ),
+            )
+            return "left"
+        retire(core.groups.install(built))
+        core.torch.installed([g.spec.kind for g in built])
+        self._finish(
+            mig,
+            c.Switched(
+                plan_id=mig.plan.plan_id,
+                step=step,
+                part="stayer",
+                rebuilt=[g.name for g in built],
+                t_start=t_start,
+                t_end=time.time(),
+            ),
+        )
+        return "switched"
+
+    # -- 5. a joiner's first boundary (training thread) --------------------------------
+
+    def join(self) -> bool:
+        """A joiner's phase 2: wait for the commit, receive the leaver's state, install
+        its new groups; training then continues from the leaver's step. False when a
+        recovery superseded the migration before its commit (its leaver failed)."""
+        core = self.core
+        mig = core.accepted.planned
+        assert mig is not None and core.state is not None
+        with core.cond:
+            core.cond.wait_for(lambda: core.accepted.join(mig) != "wait")
+            outcome = core.accepted.join(mig)
+        if outcome == "superseded":
+            return False
+        if outcome == "stopped":
+            raise SupervisorGone("stopped before the commit")
+        t_start = time.time()
+        built = _builder(mig).wait(core.timeout_s)
+        transfer = transfer_group(built)
+        stats = core.state.receive(transfer, peer=0)
+        built.remove(transfer)
+        retire([transfer])
+        del transfer
+        if core.state.step != mig.commit_step:
+            raise RuntimeError(f"leaver sent step {core.state.step}, commit was {mig.commit_step}")
+        role_groups = [g for g in built if g.spec.kind != "transfer"]
+        core.groups.install(role_groups)
+        core.torch.installed([g.spec.kind for g in role_groups])
+        self._new_epoch(str(stats.extra.get("epoch", "e0")), core.state.step)
+        self._finish(
+            mig,
+            c.Switched(
+                plan_id=mig.plan.plan_id,
+                step=mig.commit_step,
+                part="joiner",
+                rebuilt=[g.name for g in role_groups],
+                t_start=t_start,
+                t_end=time.time(),
+                transfer_bytes=stats.bytes,
+                transfer_s=stats.seconds,
+            ),
+        )
+        return True
+
+    def _finish(self, mig: Planned, event: c.Switched) -> None:
+        core = self.core
+        core.log.info(
+            "switched",
+            plan_id=event.plan_id,
+            part=event.part,
+            step=event.step,
+            rebuilt=event.rebuilt,
+            transfer_bytes=event.transfer_bytes,
+            seconds=round(event.t_end - event.t_start, 4),
+        )
+        with core.cond:
+            core.accepted.switched(mig)
+        core.conn.notify(event)
+
+
+def _builder(mig: Planned) -> GroupBuilder:
+    assert isinstance(mig.build, GroupBuilder)
+    return mig.build

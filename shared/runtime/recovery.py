@@ -1,0 +1,211 @@
+"""The worker side of a failure's recovery, in the order it happens.
+
+1. `request` (control thread): the recover plan is accepted
+   (`trainmover.runtime.acceptance` decides and refuses: superseded, in flight, a
+   standby not named), recorded for the next boundary, and the current vote epoch is
+   aborted, which gets every rank out of a step blocked on the dead machine. A planned
+   migration the failure caught is given up, its groups never installed.
+2. `carry_out` (training thread, at the boundary; a standby joiner before its first
+   step): every rank is at its last committed step (the step in flight was discarded).
+   It starts the plan's epoch, agrees with the other survivors on the groups outside the
+   delta that a member left dirty (`_dirty_groups`), rebuilds the delta and those, and
+   restores the joiner from its state source over a transfer pair, or every rank from
+   the last checkpoint common to all roles; then a new vote epoch starts and the rank
+   reports `switched`.
+
+When another machine fails meanwhile, a newer plan supersedes this one: a rank still
+carrying the old one drops what it built and starts over with the newer one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import torch.distributed as dist
+
+from trainmover.runtime import checkpoint
+from trainmover.runtime import control as c
+from trainmover.runtime.abort import POLL_S
+from trainmover.runtime.acceptance import Recovering
+from trainmover.runtime.core import Core
+from trainmover.runtime.groups import BuildAbandoned, retire
+from trainmover.runtime.plan import GroupSpec, Plan
+
+
+class RecoverySuperseded(RuntimeError):
+    """A newer recover plan replaced the one this rank was carrying out (another machine
+    failed meanwhile); the rank drops what it built and starts the newer one."""
+
+
+class FailureRecovery:
+    """Recover plans for one rank."""
+
+    def __init__(
+        self,
+        core: Core,
+        new_epoch: Callable[[str, int], None],
+        abort_epoch: Callable[[str], object],
+    ):
+        self.core = core
+        #: Starts vote epoch (id, committed step) once the rank is restored.
+        self._new_epoch = new_epoch
+        #: Aborts the current vote epoch for every rank (a no-op without one).
+        self._abort_epoch = abort_epoch
+        #: Failures this process lived through (see `Runtime.close`).
+        self.count = 0
+
+    # -- 1. the request (control thread) -----------------------------------------------
+
+    def request(self, msg: c.Recover) -> c.RecoverAck:
+        core, plan = self.core, msg.plan
+        with core.cond:
+            decision = core.accepted.recover(plan)
+            if decision.retry:
+                return c.RecoverAck(part=decision.part, committed=core.committed)
+            if msg.store:
+                core.store_address = msg.store
+            if decision.take is not None:
+                core.take_role(decision.take)
+            if decision.discarded is not None:
+                decision.discarded.build.discard()
+            core.cond.notify_all()
+        if decision.part != "joiner":
+            self._abort_epoch(f"recover {plan.plan_id}")
+        core.log.info("recover", plan_id=plan.plan_id, part=decision.part, committed=core.committed)
+        return c.RecoverAck(
+            part=decision.part, committed=core.committed if decision.part != "joiner" else -1
+        )
+
+    # -- 2. at the boundary (training thread) ------------------------------------------
+
+    def carry_out(self, joiner: bool) -> None:
+        """Carries out the recover plan in flight; when a newer plan supersedes it midway
+        (another machine failed), starts over with that one."""
+        while self.core.accepted.recovering is not None:
+            try:
+                self._recover(self.core.accepted.recovering, joiner)
+            except RecoverySuperseded as exc:
+                self.core.log.warning("recovery_superseded", error=str(exc))
+
+    def _recover(self, rec: Recovering, joiner: bool) -> None:
+        core = self.core
+        role, state = core.accepted.role, core.state
+        assert state is not None and role is not None
+        plan, t_start = rec.plan, time.time()
+        self.count += 1
+
+        def superseded() -> bool:
+            return core.accepted.recovering is not rec
+
+        # The new epoch starts now: the recovery's own collectives must not see the old
+        # epoch's abort (and a late abort of the old epoch can no longer reach them).
+        core.signal.reset(plan.plan_id)
+        store = core.store()
+        prefix = f"{core.config.job}/recover/{plan.plan_id}/"
+        specs = plan.specs_for(core.me)
+        repaired = [] if joiner else self._dirty_groups(plan, store, prefix, superseded)
+        specs = sorted([*specs, *repaired], key=lambda s: s.name)
+        try:
+            built = core.builder(specs, f"recover-{plan.plan_id}").wait(
+                core.timeout_s, abandon=superseded
+            )
+        except BuildAbandoned as exc:
+            raise RecoverySuperseded(f"{plan.plan_id}: {exc}") from None
+        build_s = time.time() - t_start
+        transfer_bytes, transfer_s = 0, 0.0
+        pairs = [g for g in built if g.spec.kind == "transfer"]
+        built = [g for g in built if g.spec.kind != "transfer"]
+        source: Literal["replica", "checkpoint"]
+        if plan.restore == "checkpoint":
+            lay = core.config.layout
+            roles = [r for cell in lay.cells() for r in lay.roles_of(cell)]
+            step = checkpoint.agree_step(
+                store, prefix, role, roles, core.checkpoint_root, core.timeout_s
+            )
+            checkpoint.load(core.checkpoint_root, role, step, state)
+            source = "checkpoint"
+        else:
+            source = "replica"
+            for pair in pairs:
+                stats = (
+                    state.receive(pair, peer=0)
+                    if joiner
+                    else state.send(pair, peer=1, extra={"epoch": plan.plan_id})
+                )
+                transfer_bytes += stats.bytes
+                transfer_s += stats.seconds
+        # Shutting down never blocks, even with an abandoned work in a replaced group.
+        retire(core.groups.install(built))
+        core.torch.installed([g.spec.kind for g in built])
+        retire(pairs)
+        self._new_epoch(plan.plan_id, state.step)
+        with core.cond:
+            core.accepted.recovered(rec)  # a newer plan that came meanwhile: next boundary
+        event = c.Switched(
+            plan_id=plan.plan_id,
+            step=state.step,
+            part=rec.part,
+            rebuilt=sorted(s.name for s in specs if s.kind != "transfer" and not s.repair),
+            repaired=sorted(s.name for s in repaired),
+            t_start=t_start,
+            t_end=time.time(),
+            transfer_bytes=transfer_bytes,
+            transfer_s=transfer_s,
+            source=source,
+            build_s=build_s,
+            digest=state.digest(),
+        )
+        core.log.info(
+            "recovered",
+            plan_id=plan.plan_id,
+            part=rec.part,
+            step=event.step,
+            source=source,
+            rebuilt=event.rebuilt,
+            repaired=event.repaired,
+            seconds=round(event.t_end - t_start, 4),
+        )
+        core.conn.notify(event)
+
+    def _dirty_groups(
+        self,
+        plan: Plan,
+        store: dist.TCPStore,
+        prefix: str,
+        superseded: Callable[[], bool],
+    ) -> list[GroupSpec]:
+        """Groups outside the delta that some member left dirty (an abandoned work), as
+        repair specs. Every survivor publishes its own dirty groups, then reads those of
+        its groups' members, so all members of a group decide the same."""
+        core = self.core
+        mine = sorted(g.name for g in core.groups.values() if g.dirty)
+        store.set(f"{prefix}dirty/{core.me}", json.dumps(mine))
+        delta = {s.name for s in plan.groups}
+        repairs = []
+        for group in core.groups.values():
+            if group.name in delta:
+                continue
+            keys = [f"{prefix}dirty/{m}" for m in group.spec.members]
+            self._wait_keys(store, keys, superseded)
+            if any(group.name in json.loads(store.get(k)) for k in keys):
+                repairs.append(group.spec.model_copy(update={"repair": plan.plan_id}))
+        return repairs
+
+    def _wait_keys(
+        self, store: dist.TCPStore, keys: list[str], superseded: Callable[[], bool]
+    ) -> None:
+        """Until every key is in the store; a member that failed never writes its key, so
+        a newer recover plan (which leaves it out) ends the wait. The store has no way to
+        wake us, so it is polled between waits on our own condition."""
+        core = self.core
+        deadline = time.monotonic() + core.timeout_s
+        while not store.check(keys):
+            with core.cond:
+                if superseded():
+                    raise RecoverySuperseded(f"stopped waiting for {keys}")
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"store keys {keys} not set in {core.timeout_s}s")
+                core.cond.wait(POLL_S)
