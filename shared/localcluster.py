@@ -210,6 +210,8 @@ class LocalCluster:
         finally:
             await sub.unsubscribe()
 
-    def mismatches(self, reference: dict[str, Path], step: int) -> list[str]:
-        """Differences between this run's saved states after `step` and `reference`'s."""
+    def mismatches(self, reference: dict[str, Path], step: int | None = None) -> list[str]:
+        """Differences between this run's saved states after `step` (by default the
+        job's last) and `reference`'s."""
+        step = self.config.train.steps if step is None else step
         return mismatches(state_files(self.stack.run_dir, step), reference)

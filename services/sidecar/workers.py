@@ -183,8 +183,17 @@ class MachineWorkers:
     def affected(self, plan: Plan) -> list[RankRef]:
         return [r for r in self.refs if plan.specs_for(r)]
 
+    def refuse_if_exited(self, plan: Plan) -> None:
+        """A plan for ranks whose workers have ended (the job finished, or they left) is
+        refused at once, naming them: none of them will ever connect to take it."""
+        gone = self.tracker.ended(self.refs)
+        if gone:
+            ended = ", ".join(f"{r} {e.reason} at step {e.step}" for r, e in gone.items())
+            raise RuntimeError(f"plan {plan.plan_id}: no live worker on {self.machine} ({ended})")
+
     def prepare(self, plan: Plan, timeout_s: float) -> dict[str, object]:
         """Phase 1 on this machine's ranks of the plan; returns once all are ready."""
+        self.refuse_if_exited(plan)
         self.wait_connected(timeout_s)  # a plan can come while the workers still start
         refs = self.affected(plan)
         if self.cell is not None:
@@ -222,6 +231,7 @@ class MachineWorkers:
     def recover(self, plan: Plan, timeout_s: float) -> dict[str, object]:
         """The unplanned path: every live rank here (a survivor, or the joiner) aborts its
         step and recovers in the plan's epoch; returns once they sent `recover_ack`."""
+        self.refuse_if_exited(plan)
         self.wait_connected(timeout_s)
         refs = self.tracker.live()
         self._recovered[plan.plan_id] = refs

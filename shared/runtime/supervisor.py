@@ -155,6 +155,11 @@ class RankTracker:
         log = self.run_dir / "logs" / f"{ref.machine}-{ref.local_rank}.log"
         return log.read_text(errors="replace")[-chars:] if log.exists() else ""
 
+    def ended(self, refs: Iterable[RankRef]) -> dict[RankRef, c.Exited]:
+        """How each rank of `refs` whose worker has said goodbye ended."""
+        with self._cond:
+            return {r: self.exited[r] for r in refs if r in self.exited}
+
     def live(self) -> list[RankRef]:
         with self._cond:
             return [r for r, p in self.procs.items() if p.poll() is None and r not in self.exited]

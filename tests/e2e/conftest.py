@@ -40,9 +40,19 @@ LONG = CONFIG.with_updates(
 
 #: The same jobs with one rank per machine (no tensor parallelism), half the processes:
 #: for tests whose subject is the control plane (the bus, auth, fencing, durability),
-#: not the layout. The migrations of the 3-D layout are tested on CONFIG and LONG.
-TP1 = CONFIG.with_updates(layout={"tp": 1})
-TP1_LONG = LONG.with_updates(layout={"tp": 1})
+#: not the layout. The migrations of the 3-D layout are tested on CONFIG and LONG. A
+#: step of one rank per machine takes a quarter of the time or less: more steps keep the
+#: job training for as long as the test's faults need (the long job's tests make theirs
+#: early; twice the steps leave them a margin).
+TP1 = CONFIG.with_updates(layout={"tp": 1}, train={"steps": 4 * STEPS, "dump_steps": [4 * STEPS]})
+TP1_LONG = LONG.with_updates(
+    layout={"tp": 1}, train={"steps": 2 * LONG_STEPS, "dump_steps": [2 * LONG_STEPS]}
+)
+#: For a test that slows every machine down per step itself (the bus cluster's).
+TP1_SLOWED = LONG.with_updates(layout={"tp": 1})
+
+#: Every job the e2e tests run: one reference run per distinct training covers them all.
+JOBS = (CONFIG, LONG, TP1, TP1_LONG, TP1_SLOWED)
 
 
 def _training(config: JobConfig) -> str:
@@ -57,19 +67,18 @@ def _training(config: JobConfig) -> str:
 @pytest.fixture(scope="session")
 def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[JobConfig], dict[str, Path]]:
     """Uninterrupted runs' final states by role: one run per distinct training, to the
-    longest e2e job's end, saving at each e2e job's last step (CONFIG, LONG and their
-    variants share one run)."""
+    longest of its `JOBS`, saving after each one's last step."""
     runs: dict[str, tuple[Path, set[int]]] = {}
 
     def reference_for(config: JobConfig) -> dict[str, Path]:
         key, step = _training(config), config.train.steps
         if key not in runs or step not in runs[key][1]:
             run_dir = tmp_path_factory.mktemp("reference")
-            dumps = {STEPS, LONG_STEPS, step}
-            run = config.with_updates(train={"steps": max(dumps), "dump_steps": sorted(dumps)})
+            ends = {c.train.steps for c in JOBS if _training(c) == key} | {step}
+            run = config.with_updates(train={"steps": max(ends), "dump_steps": sorted(ends)})
             with LocalJob.launch(run, run_dir, standbys=0, timeout_s=WAIT_S) as job:
                 job.finish(WAIT_S)
-            runs[key] = (run_dir, dumps)
+            runs[key] = (run_dir, ends)
         return state_files(runs[key][0], step)
 
     return reference_for

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.e2e.conftest import LONG, LONG_STEPS, WAIT_S
+from tests.e2e.conftest import LONG, WAIT_S
 from trainmover import bus
 from trainmover.localcluster import LocalCluster as Cluster
 from trainmover.messages import Command, FailureEvent
@@ -104,7 +104,7 @@ async def test_frozen_stuck_and_blocked_machines_are_named_and_moved(
     joiners = {done.joiner, moved.joiner, last.joiner}
     # A fenced machine may come back as a fresh standby and take a later role.
     assert joiners <= set(finished) and {"m1", "m2", "m3"} & set(finished) <= joiners
-    assert cluster.mismatches(reference, LONG_STEPS) == []
+    assert cluster.mismatches(reference) == []
 
 
 async def _failure_of(items: AsyncIterator[object], machine: str) -> FailureEvent:
