@@ -59,6 +59,10 @@ def initial_state(config: JobConfig) -> ClusterState:
     return ClusterState(job=config.job, layout=config.layout, machines=machines)
 
 
+#: How often a stored but unsent outbox is sent again.
+OUTBOX_RETRY_S = 2.0
+
+
 class PlannerService:
     """One job's planner: consumers, state store, outbox, rebalance policy."""
 
@@ -149,6 +153,7 @@ class PlannerService:
             asyncio.create_task(self._bus_health.watch(self._nc)),
             asyncio.create_task(self._pump(events, self._on_event)),
             asyncio.create_task(self._pump(progress, self._on_progress)),
+            asyncio.create_task(self._send_stored_outbox()),
         ]
         if self._rebalance_interval_s:
             self._tasks.append(asyncio.create_task(self._rebalance_policy()))
@@ -342,6 +347,9 @@ class PlannerService:
             before = self.state
             outcome: Outcome = rule(before)  # type: ignore[operator]
             if outcome.state == before and not outcome.changed:
+                # An input decided before, again (redelivered after its outputs failed to
+                # go out): what it stored is sent now.
+                await self._flush_outbox()
                 return
             outbox = [*before.outbox, *_outbox_entries(outcome)]
             await self._save(outcome.state.model_copy(update={"outbox": outbox}))
@@ -359,6 +367,19 @@ class PlannerService:
             for plan in outcome.plans:
                 self._m_plans.labels(kind=plan.migration).inc()
             await self._flush_outbox()
+
+    async def _send_stored_outbox(self) -> None:
+        """Sends a stored outbox that no input will send: a decision whose publish failed
+        (the bus went away), when nothing comes after it to decide again."""
+        while True:
+            await asyncio.sleep(OUTBOX_RETRY_S)
+            if self._state is None or not self._state.outbox:
+                continue
+            try:
+                async with self._lock:
+                    await self._flush_outbox()
+            except Exception as err:
+                log.warning("outbox_retry", job=self._job, error=f"{type(err).__name__}: {err}")
 
     async def _flush_outbox(self) -> None:
         """Publishes every stored decision output; each has a stable id for dedup."""
