@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+import structlog
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from trainmover import bus
@@ -215,3 +216,25 @@ def test_hold_lets_go_of_a_message_that_never_comes_back():
     assert hold.holds_back(6)
     clock[0] += durable.HOLD_MAX_S + 1
     assert not hold.holds_back(6)
+
+
+def test_an_outage_of_failing_fetches_is_logged_once_with_its_length() -> None:
+    now = [100.0]
+    outage = durable._FetchOutage("j", "planner", clock=lambda: now[0])
+    with structlog.testing.capture_logs() as logged:
+        outage.over()  # nothing failed: nothing to say
+        for _ in range(20):
+            outage.failed(RuntimeError("no leader"))
+            now[0] += 0.2
+        outage.over()
+        outage.over()
+        outage.failed(RuntimeError("again"))
+    said = [(e["event"], e["log_level"]) for e in logged]
+    assert said == [
+        ("fetch_failed", "warning"),
+        *[("fetch_failed", "debug")] * 19,
+        ("fetch_recovered", "info"),
+        ("fetch_failed", "warning"),
+    ]
+    recovered = next(e for e in logged if e["event"] == "fetch_recovered")
+    assert recovered["failures"] == 20 and recovered["after_s"] == 4.0

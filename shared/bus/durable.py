@@ -81,6 +81,36 @@ def _stream_seq(msg: Msg) -> int | None:
         return None
 
 
+class _FetchOutage:
+    """Logs a consumer's failing fetches once per outage (its first error, then how long
+    it lasted and how many failed), not once per retry: a stream's leader election
+    fails fetches five times a second for as long as it takes."""
+
+    def __init__(self, job: str, consumer: str, clock: Callable[[], float] = time.monotonic):
+        self._job, self._consumer, self._clock = job, consumer, clock
+        self._since: float | None = None
+        self._failures = 0
+
+    def failed(self, err: Exception) -> None:
+        self._failures += 1
+        if self._since is None:
+            self._since = self._clock()
+            log.warning("fetch_failed", job=self._job, consumer=self._consumer, error=str(err))
+        else:
+            log.debug("fetch_failed", job=self._job, consumer=self._consumer, error=str(err))
+
+    def over(self) -> None:
+        if self._since is not None:
+            log.info(
+                "fetch_recovered",
+                job=self._job,
+                consumer=self._consumer,
+                failures=self._failures,
+                after_s=round(self._clock() - self._since, 3),
+            )
+            self._since, self._failures = None, 0
+
+
 async def pump(
     sub: Any,
     handle: Callable[[Msg], Awaitable[None]],
@@ -95,15 +125,18 @@ async def pump(
     whose handling fails (the bus went away mid-decision) is not lost: after `recover()`
     it is redelivered and handled before any message that came after it."""
     hold = _Hold()
+    outage = _FetchOutage(job, consumer)
     while True:
         try:
             msgs = await sub.fetch(batch, timeout=1.0)
         except (TimeoutError, NatsTimeout):
+            outage.over()
             continue
         except Exception as err:
-            log.warning("fetch_failed", job=job, consumer=consumer, error=str(err))
+            outage.failed(err)
             await asyncio.sleep(0.2)
             continue
+        outage.over()
         for msg in msgs:
             seq = _stream_seq(msg)
             if hold.holds_back(seq):
