@@ -18,7 +18,7 @@ from pathlib import Path
 from trainmover.messages import ClusterState, WorkerState, WorkerStatus
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig, save_config
-from trainmover.runtime.launcher import ControlServer, spawn_worker
+from trainmover.runtime.launcher import ControlServer, WorkerStarter
 from trainmover.runtime.layout import MachineRole, Role
 from trainmover.runtime.plan import Plan, RankRef, group_specs
 from trainmover.runtime.supervisor import RankCommands, RankTracker, stop_processes
@@ -45,6 +45,7 @@ class MachineWorkers:
         self.timeout_s = timeout_s
         self._state = state
         self.tracker = RankTracker(run_dir)
+        self.starter = WorkerStarter(run_dir, machine)
         self._config_path = save_config(config, run_dir / f"job-{machine}.json")
         self.control = ControlServer(
             self._welcome, self.tracker.on_event, on_disconnect=self.tracker.on_disconnect
@@ -70,7 +71,7 @@ class MachineWorkers:
         with self._lock:
             self.cell = None
         for ref in self.refs:
-            proc = spawn_worker(
+            proc = self.starter.spawn(
                 ref, self.entry, self.control.address, self._config_path, self.run_dir
             )
             self.tracker.add_process(ref, proc)
@@ -108,6 +109,7 @@ class MachineWorkers:
 
     def close(self) -> None:
         self.stop()
+        self.starter.close()
         self.control.close()
 
     def worker_status(self) -> list[WorkerStatus]:

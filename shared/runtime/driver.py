@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from trainmover.runtime import control as c
 from trainmover.runtime import logs
 from trainmover.runtime.config import JobConfig, save_config
-from trainmover.runtime.launcher import ControlServer, spawn_worker
+from trainmover.runtime.launcher import ControlServer, WorkerStarter
 from trainmover.runtime.layout import MachineRole, Role
 from trainmover.runtime.plan import Plan, RankRef, compute_delta, group_specs
 from trainmover.runtime.rendezvous import RendezvousHost
@@ -110,6 +110,7 @@ class LocalJob:
 
         #: What the workers reported, and their processes.
         self.tracker = RankTracker(self.run_dir)
+        self._starter = WorkerStarter(self.run_dir, "job")
         t = self.tracker
         self.last_step, self.steps, self.exited, self.procs = (
             t.last_step,
@@ -154,7 +155,7 @@ class LocalJob:
             env["TORCHINDUCTOR_CACHE_DIR"] = str(self.run_dir / "machines" / machine / "inductor")
         for local_rank in range(self.layout.ranks_per_machine):
             ref = RankRef(machine=machine, local_rank=local_rank)
-            proc = spawn_worker(
+            proc = self._starter.spawn(
                 ref,
                 self.entry,
                 self.control.address,
@@ -196,6 +197,7 @@ class LocalJob:
                 except Exception:
                     pass
         stop_processes(self.procs.values())
+        self._starter.close()
         self.control.close()
         if self._rendezvous is not None:
             self._rendezvous.close()

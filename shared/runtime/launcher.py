@@ -18,6 +18,8 @@ from pathlib import Path
 
 from trainmover.runtime import control as c
 from trainmover.runtime.env import ENV_CONFIG, ENV_CONTROL, ENV_LOCAL_RANK, ENV_MACHINE, ENV_RUN_DIR
+from trainmover.runtime.forkserver import ForkedWorker, ForkServer
+from trainmover.runtime.forkserver import enabled as forkserver_enabled
 from trainmover.runtime.plan import RankRef
 
 HelloHandler = Callable[[c.Hello], c.Welcome]
@@ -105,26 +107,22 @@ class _WorkerLink:
         self.server._on_event(self.ref, msg)
 
 
-def spawn_worker(
-    ref: RankRef,
-    entry: str,
-    control_address: str,
-    config_path: Path,
-    run_dir: Path,
-    extra_env: dict[str, str] | None = None,
-    process_group: int | None = None,
-) -> subprocess.Popen[bytes]:
-    """Starts one worker process; its output goes to run_dir/logs/<machine>-<rank>.log.
-    `process_group`: 0 starts a new process group, a pid joins that process's group;
-    a machine's workers share one, so a machine can die (or be killed) as a whole."""
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        # One thread per worker: the joiner must match the leaver's thread count for a
-        # bit-identical continuation, and the cores are shared.
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
+#: A worker process: forked by the fork server, or started as its own process.
+WorkerProcess = subprocess.Popen[bytes] | ForkedWorker
+
+
+def worker_env() -> dict[str, str]:
+    """The environment every worker starts from: the launcher's, one thread each (the
+    joiner must match the leaver's thread count for a bit-identical continuation, and
+    the cores are shared)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def rank_env(
+    ref: RankRef, control_address: str, config_path: Path, run_dir: Path
+) -> dict[str, str]:
+    """What tells a worker who it is and where its control channel is."""
+    return {
         ENV_CONTROL: control_address,
         ENV_MACHINE: ref.machine,
         ENV_LOCAL_RANK: str(ref.local_rank),
@@ -133,17 +131,47 @@ def spawn_worker(
         # torchrun's per-process variable; the role's (RANK, MASTER_ADDR, ...) are set by
         # the runtime once the process has a role (`trainmover.runtime.pgs`).
         "LOCAL_RANK": str(ref.local_rank),
-        **(extra_env or {}),
     }
-    log = open(log_dir / f"{ref.machine}-{ref.local_rank}.log", "ab")  # noqa: SIM115
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-m", entry],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            process_group=process_group,
-        )
-    finally:
-        log.close()  # the child holds its own descriptor
+
+
+class WorkerStarter:
+    """Starts one launcher's workers (a sidecar's, a `LocalJob`'s): forked from its fork
+    server (`trainmover.runtime.forkserver`), or each as its own process when that is
+    switched off. Output goes to run_dir/logs/<machine>-<rank>.log. `process_group`: 0
+    starts a new process group, a pid joins that process's group; a machine's workers
+    share one, so a machine can die (or be killed) as a whole."""
+
+    def __init__(self, run_dir: Path, name: str) -> None:
+        log = run_dir / "logs" / f"forkserver-{name}.log"
+        self._server = ForkServer(log, worker_env()) if forkserver_enabled() else None
+
+    def spawn(
+        self,
+        ref: RankRef,
+        entry: str,
+        control_address: str,
+        config_path: Path,
+        run_dir: Path,
+        extra_env: dict[str, str] | None = None,
+        process_group: int | None = None,
+    ) -> WorkerProcess:
+        log_dir = run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = log_dir / f"{ref.machine}-{ref.local_rank}.log"
+        env = {**rank_env(ref, control_address, config_path, run_dir), **(extra_env or {})}
+        if self._server is not None:
+            return self._server.spawn(entry, env, log, process_group)
+        with open(log, "ab") as out:  # the child holds its own descriptor
+            return subprocess.Popen(
+                [sys.executable, "-m", entry],
+                env={**worker_env(), **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                process_group=process_group,
+            )
+
+    def close(self) -> None:
+        """Ends the fork server (the workers it forked are stopped first, by the caller)."""
+        if self._server is not None:
+            self._server.close()

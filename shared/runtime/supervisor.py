@@ -1,7 +1,7 @@
 """The supervising side of the control API for a set of local ranks: processes and events.
 
 Whoever supervises workers (the local driver for a whole job, a sidecar for one
-machine) starts them with `spawn_worker`, routes their control events into a
+machine) starts them with a `WorkerStarter`, routes their control events into a
 `RankTracker`, and waits on it: every wait has a deadline and fails at once, with the
 tail of the worker's log, when a worker process dies instead of running into it (unless
 it is known lost: a failed machine being recovered). `RankCommands` sends the control
@@ -24,7 +24,7 @@ from trainmover.runtime import control as c
 from trainmover.runtime.plan import Plan, RankRef
 
 if TYPE_CHECKING:
-    from trainmover.runtime.launcher import ControlServer
+    from trainmover.runtime.launcher import ControlServer, WorkerProcess
 
 T = TypeVar("T")
 
@@ -50,7 +50,7 @@ class RankTracker:
         self.switched: dict[str, dict[RankRef, c.Switched]] = defaultdict(dict)
         self.failed: dict[str, dict[RankRef, c.PlanFailed]] = defaultdict(dict)
         self.exited: dict[RankRef, c.Exited] = {}
-        self.procs: dict[RankRef, subprocess.Popen[bytes]] = {}
+        self.procs: dict[RankRef, WorkerProcess] = {}
         self.listeners: list[Callable[[RankRef, c.Message], None]] = []
         #: Unplanned path: shadow warm-ups, collective errors, discarded steps, every
         #: committed step in order (re-executions included), ranks known lost.
@@ -108,7 +108,7 @@ class RankTracker:
                 r for r, p in self.procs.items() if r not in self.lost and p.poll() not in (None, 0)
             ]
 
-    def add_process(self, ref: RankRef, proc: subprocess.Popen[bytes]) -> None:
+    def add_process(self, ref: RankRef, proc: WorkerProcess) -> None:
         with self._cond:
             self.procs[ref] = proc
             self.exited.pop(ref, None)
@@ -284,7 +284,7 @@ class RankCommands:
         return {r: s for r, s in replies.items() if isinstance(s, c.RankStatus)}
 
 
-def stop_processes(procs: Iterable[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+def stop_processes(procs: Iterable[WorkerProcess], grace_s: float = 10.0) -> None:
     """Waits up to `grace_s` for processes to exit, then terminates, then kills."""
     procs = list(procs)
     deadline = time.monotonic() + grace_s
