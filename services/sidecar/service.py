@@ -444,7 +444,7 @@ class Sidecar:
     async def _relaunch_as_standby(self) -> None:
         await asyncio.to_thread(self.workers.stop)
         self._instance = new_id()
-        await asyncio.to_thread(self.workers.launch)
+        await asyncio.to_thread(self.workers.launch, True)
         self._status = "standby"
         self._warm_types = []
         self._beat_now.set()

@@ -53,6 +53,7 @@ class MachineWorkers:
         self.commands = RankCommands(self.control, self.tracker, timeout_s)
         self._recovered: dict[str, list[RankRef]] = {}
         self.cell: MachineRole | None = None
+        self._as_standby = False
         self._lock = threading.Lock()
         self.tracker.listeners.append(self._on_event)
 
@@ -65,11 +66,14 @@ class MachineWorkers:
 
     # --- processes -------------------------------------------------------------------
 
-    def launch(self) -> None:
+    def launch(self, as_standby: bool = False) -> None:
         """Starts this machine's worker processes (again, after a maintenance or a
-        fence). New workers hold no role until their welcome gives them one."""
+        fence: `as_standby`). New workers hold no role until their welcome gives them
+        one; workers launched `as_standby` are given none, whatever the cluster state
+        they are welcomed by (it may not yet say that this machine lost its role)."""
         with self._lock:
             self.cell = None
+            self._as_standby = as_standby
         for ref in self.refs:
             proc = self.starter.spawn(
                 ref, self.entry, self.control.address, self._config_path, self.run_dir
@@ -145,8 +149,11 @@ class MachineWorkers:
         me = RankRef(machine=hello.machine, local_rank=hello.local_rank)
         mine = state.machines.get(self.machine) if state else None
         role, groups = None, []
+        with self._lock:
+            as_standby = self._as_standby
         if (
-            state is not None
+            not as_standby
+            and state is not None
             and mine is not None
             and mine.cell is not None
             and mine.status in ("active", "leaving")

@@ -252,6 +252,9 @@ def _child(request: dict[str, Any]) -> int:
     os.environ.update(request["env"])
     _fresh_random_state()
     sys.argv = [request["entry"]]
+    # As in a process started cold, the entry runs as __main__ only (not also under its
+    # own name, which the preload may have imported).
+    sys.modules.pop(request["entry"], None)
     code = 0
     try:
         runpy.run_module(request["entry"], run_name="__main__", alter_sys=True)

@@ -1,6 +1,8 @@
-"""A plan for a machine whose workers have ended (the job finished before the plan came)
-is refused at once, naming them, instead of waiting out its timeout for a hello that
-will never come."""
+"""A machine's workers as its sidecar sees them: a plan for workers that have ended (the
+job finished before the plan came) is refused at once, naming them, instead of waiting
+out its timeout for a hello that will never come; workers relaunched as a standby (after
+a fence or a maintenance) are welcomed without a role, even by a cluster state that
+still names the machine active."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
 from trainmover.services.planner.decisions import Planner
 from trainmover.services.sidecar.workers import MachineWorkers
+
+#: A worker that exits at once (these tests never let one say hello).
+ENTRY = "tests.runtime.forked_entry"
 
 
 def test_a_plan_for_finished_workers_is_refused_naming_them(tmp_path: Path) -> None:
@@ -33,3 +38,20 @@ def test_a_plan_for_finished_workers_is_refused_naming_them(tmp_path: Path) -> N
             workers.recover(plan, timeout_s=5)
     finally:
         workers.control.close()
+
+
+def test_workers_relaunched_as_a_standby_get_no_role_from_a_stale_state(tmp_path: Path) -> None:
+    job = "relaunched"
+    state = sample_state(job)  # m0 still active with its cell: not yet marked failed
+    workers = MachineWorkers(
+        "m0", JobConfig(job=job), tmp_path, "127.0.0.1:1", lambda: state, ENTRY
+    )
+    hello = c.Hello(machine="m0", local_rank=0, pid=1)
+    try:
+        assert workers._welcome(hello).role is not None  # a first start takes the role
+        workers.launch(as_standby=True)
+        welcome = workers._welcome(hello)
+        assert welcome.role is None and welcome.groups == [] and welcome.store == ""
+        workers.stop()
+    finally:
+        workers.close()
