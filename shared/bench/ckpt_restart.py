@@ -21,6 +21,7 @@ Downtime:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -45,6 +46,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+#: How far ahead of the furthest rank a save-and-restart's stop step is put, in seconds.
+STOP_AHEAD_S = 1.0
+
+
+def stop_ahead(ends: dict[int, float]) -> int:
+    """The step a save-and-restart stops after: ahead of every rank, so that all stop at
+    the same boundary, by a second's worth of steps at least (a tiny job's ranks pass a
+    nearer one while the stop is being written, and then each stops at its own)."""
+    period = normal_period(ends, max(ends))
+    return max(ends) + max(3, math.ceil(STOP_AHEAD_S / max(period, 1e-3)))
 
 
 def step_ends(events: list[dict[str, Any]], world: int, after: float = 0.0) -> dict[int, float]:
@@ -230,7 +243,7 @@ class TorchrunJob:
     def planned(self, warm_steps: int) -> dict[str, Any]:
         """Save-and-restart: checkpoint at step S, exit, relaunch at once, resume."""
         ends = self.wait_step(self.current_step() + warm_steps)
-        stop = max(ends) + 3  # ahead of every rank: all stop at the same boundary
+        stop = stop_ahead(ends)
         (self.run_dir / "stop_at").write_text(str(stop))
         self.wait(lambda: all(a.poll() is not None for a in self.agents), "exit", True)
         exited = time.time()

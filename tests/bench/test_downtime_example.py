@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from trainmover.bench import ckpt_restart
 from trainmover.bench.downtime_example import summarize
 from trainmover.bench.example_jobs import EXAMPLES, example_config
 from trainmover.bench.report import Result
@@ -53,3 +54,10 @@ def test_the_step_overhead_is_taken_within_each_repetition() -> None:
     assert result.get("step_time.overhead_stats")["samples"] == pytest.approx([0.02, 0.02])
     assert result.get("step_time.overhead") == pytest.approx(0.02)
     assert result.get("step_time.trainmover_stats")["samples"] == [1.02, 2.04]
+
+
+def test_a_save_and_restart_stops_a_second_of_steps_ahead_of_the_furthest_rank() -> None:
+    fast = {s: 100.0 + 0.03 * s for s in range(1, 41)}  # 33 steps a second
+    slow = {s: 100.0 + 2.0 * s for s in range(1, 41)}
+    assert ckpt_restart.stop_ahead(fast) == 40 + 34
+    assert ckpt_restart.stop_ahead(slow) == 40 + 3
