@@ -43,8 +43,10 @@ async def test_up_with_a_three_server_cluster_and_auth(tmp_path: Path) -> None:
                 while True:
                     try:
                         return (await js.stream_info(events)).config.num_replicas or 1
-                    except NotFoundError:
-                        await asyncio.sleep(0.1)  # polling the bus: the planner starts
+                    except (NotFoundError, *bus.BUS_FAILOVER_ERRORS):
+                        # Polling the bus while the planner creates the stream (and its
+                        # replicas elect a leader, when a request may go unanswered).
+                        await asyncio.sleep(0.1)
 
             assert await asyncio.wait_for(planner_created(), 120) == 3
         finally:
