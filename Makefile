@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	touch $(STAMP)
 
+# One pytest-xdist stream per core, at most 4: the end-to-end tests wait on real time
+# (jobs training, detection windows) more than they compute. TEST_STREAMS=0: one process.
+TEST_STREAMS ?= auto
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_STREAMS) --maxprocesses=4 --dist loadgroup
 
 demo: $(STAMP)
 	$(VENV)/bin/trainmover demo --json demo.json

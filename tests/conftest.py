@@ -1,4 +1,9 @@
-"""Shared fixtures: a real embedded nats-server per test session, a fresh job per test."""
+"""Shared fixtures: a real embedded nats-server per test session, a fresh job per test.
+
+`make test` runs the suite as parallel pytest-xdist streams (`--dist loadgroup`): tests
+that share an expensive session or module fixture (a reference run, a bus cluster) are
+put in one group, so that one stream builds it once.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,49 @@ from trainmover.runtime.layout import Layout
 from trainmover.subjects import STATE_KEY
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+#: Shared fixtures cheap enough for every stream to build its own.
+_PER_STREAM = frozenset({"nats_server", "tmp_path_factory", "event_loop_policy"})
+
+
+def _shared_fixtures(item: pytest.Item) -> list[str]:
+    """The expensive shared fixtures a test uses, by name (a module's own by module too)."""
+    definitions = getattr(item, "_fixtureinfo", None)
+    if definitions is None:
+        return []
+    names = []
+    for name, defs in definitions.name2fixturedefs.items():
+        scope = defs[-1].scope
+        if name in _PER_STREAM or scope not in ("session", "module"):
+            continue
+        if name == "references":
+            # One reference run per distinct training: the job's layout tells them apart
+            # (tests/e2e/conftest.py), so each layout's tests can run in their own stream.
+            config = getattr(item, "callspec", None) and item.callspec.params.get("config")
+            names.append(f"references-tp{config.layout.tp if config is not None else 2}")
+        elif scope == "module":
+            names.append(f"{item.module.__name__}:{name}")
+        else:
+            names.append(name)
+    return names
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests joined by a shared fixture, directly or through others, form one group."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    uses = [(item, _shared_fixtures(item)) for item in items]
+    for _, names in uses:
+        for other in names[1:]:
+            parent[root(other)] = root(names[0])
+    for item, names in uses:
+        if names:
+            item.add_marker(pytest.mark.xdist_group(root(names[0])))
 
 
 @pytest.fixture(scope="session")
