@@ -64,7 +64,9 @@ async def drain_through_fault(
     """A drain of m1 in phase 1 and a second drain (of m2) just acked when `fault` hits
     the bus: both migrations complete (then `repair` runs), each event is decided
     exactly once, a retried publish is a duplicate, and training ends bit-identical to
-    `reference`."""
+    `reference`. The job's drained machines must stay in maintenance, so that the second
+    drain's joiner is s1."""
+    assert cluster.config.cluster.maintenance_s > WAIT_S, "m1 would return as a standby"
     subjects = JobSubjects(cluster.job)
     await cluster.wait_step("m1", 10, WAIT_S)
     await cluster.wait_standbys_warm(WAIT_S)  # so each drain finds one

@@ -17,8 +17,13 @@ from trainmover.localcluster import LocalCluster as Cluster
 
 pytestmark = pytest.mark.timeout(900)
 
+#: The second drain's joiner must be s1: m1, drained first, stays in maintenance (back
+#: in a second, it would be a warm standby by the time a loaded host's planner decides
+#: the second drain, and its relaunched workers would not be slowed like the others).
+TP1_NO_RETURN = TP1.with_updates(cluster={"maintenance_s": 3600.0})
 
-@pytest.mark.parametrize("config", [TP1])
+
+@pytest.mark.parametrize("config", [TP1_NO_RETURN])
 async def test_server_restart_mid_migration_loses_nothing(cluster: Cluster, reference) -> None:
     async def crash() -> None:
         await cluster.stack.restart_bus(kill=True)
