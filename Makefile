@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml setup.py
 # (jobs training, detection windows) more than they compute. TEST_STREAMS=0: one process.
 TEST_STREAMS ?= auto
 test: install
-	$(PY) -m pytest -q -n $(TEST_STREAMS) --maxprocesses=4 --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_STREAMS) --maxprocesses=4 --dist loadgroup --no-loadscope-reorder
 
 demo: $(STAMP)
 	$(VENV)/bin/trainmover demo --json demo.json

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NatsClient
@@ -47,8 +48,17 @@ def _shared_fixtures(item: pytest.Item) -> list[str]:
     return names
 
 
+def _timeout(item: pytest.Item) -> float:
+    """The test's own time limit (pytest-timeout's marker), the suite's for one without:
+    a long limit is how a test says it is long."""
+    marker = item.get_closest_marker("timeout")
+    return float(marker.args[0]) if marker and marker.args else 0.0
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests joined by a shared fixture, directly or through others, form one group."""
+    """Tests joined by a shared fixture, directly or through others, form one group; the
+    modules with the longest tests come first (make test keeps this order, --no-loadscope-reorder), so
+    that no stream is left with a long test at the end."""
     parent: dict[str, str] = {}
 
     def root(name: str) -> str:
@@ -60,9 +70,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for _, names in uses:
         for other in names[1:]:
             parent[root(other)] = root(names[0])
+    longest: dict[Path, float] = {}
     for item, names in uses:
         if names:
             item.add_marker(pytest.mark.xdist_group(root(names[0])))
+        longest[item.path] = max(longest.get(item.path, 0.0), _timeout(item))
+    # By module, so that a module's tests stay together (its module fixtures built once).
+    items.sort(key=lambda item: -longest[item.path])
 
 
 @pytest.fixture(scope="session")
