@@ -3,13 +3,13 @@ model under a lighthouse, one replica SIGKILLed and restarted at once, healed fr
 peer while the survivors carry on with fewer replicas.
 
 Measured per heartbeat timeout of the lighthouse:
-- survivors' stall (``downtime_s``): the survivor's training time lost from the end of
-  its last step before the kill to the end of its first step with every replica again
-  after the heal: that span less a normal step for each step it committed in it. The
-  step in flight at the kill often ends at once (the victim had already given its
-  gradients) and the wait for the lighthouse's timeout lands on a later step, so the
-  first step after the kill alone (docs/glossary.md's downtime) can read as no stall;
-  ``longest_gap_s`` is the longest step of that span, less a normal one;
+- survivors' stall (``downtime_s``): the survivor's longest step from the kill to its
+  first step with every replica again after the heal, less a normal step. The step in
+  flight at the kill often ends at once (the victim had already given its gradients)
+  and the wait for the lighthouse's timeout lands on a later step, so the first step
+  after the kill alone (docs/glossary.md's downtime) can read as no stall. ``lost_s``:
+  that span less a normal step per step committed in it (reduced-batch steps counted as
+  whole: their missing work is ``lost_steps_equivalent``);
 - heal: kill -> the restarted replica's first committed step;
 - reduced-batch steps: survivor steps committed with fewer than all replicas, and the
   work they lost (the missing replicas' share of those steps' batches).
@@ -90,13 +90,13 @@ def _wait(predicate: Any, what: str, timeout_s: float, procs: list[subprocess.Po
 def survivor_stall(
     span: list[dict[str, Any]], last_before: float, normal: float
 ) -> tuple[float, float]:
-    """(training time lost, longest step less a normal one) of a survivor whose steps
+    """(longest step less a normal one, training time lost) of a survivor whose steps
     `span` (step events in order, through its first whole step after the heal) followed
     its last step before the kill, ending at `last_before`; see the module docstring."""
     ends = [last_before, *(e["t"] for e in span)]
     committed = sum(1 for e in span if e["committed"])
     longest = max(b - a for a, b in zip(ends, ends[1:], strict=False))
-    return ends[-1] - last_before - committed * normal, longest - normal
+    return longest - normal, ends[-1] - last_before - committed * normal
 
 
 def failure(
@@ -163,12 +163,12 @@ def failure(
         span = [e for e in steps(survivor, t_kill) if e["t"] <= back["t"]]
         survived = [e for e in span if e["t"] <= heal["t"]]
         reduced = [e for e in survived if e["committed"] and e["participants"] < replicas]
-        lost, longest = survivor_stall(span, last_before, normal)
+        stall, lost = survivor_stall(span, last_before, normal)
         return {
             "heartbeat_timeout_s": heartbeat_timeout_s,
             "normal_step_s": normal,
-            "downtime_s": lost,
-            "longest_gap_s": longest,
+            "downtime_s": stall,
+            "lost_s": lost,
             "heal_s": heal["t"] - t_kill,
             "reduced_batch_steps": len(reduced),
             "lost_steps_equivalent": sum(1 - e["participants"] / replicas for e in reduced),
@@ -190,7 +190,7 @@ def summarize(result: Result, rows: dict[str, list[Any]], timeouts: list[float])
         why = first_reason(values)
         base = f"torchft.heartbeat_{hb:g}s"
         result.set_median(f"{base}.stall_s", [r["downtime_s"] for r in ok], why)
-        result.set_median(f"{base}.longest_gap_s", [r["longest_gap_s"] for r in ok], why)
+        result.set_median(f"{base}.lost_s", [r["lost_s"] for r in ok], why)
         result.set_median(f"{base}.heal_s", [r["heal_s"] for r in ok], why)
         result.set_median(
             f"{base}.reduced_batch_steps", [r["reduced_batch_steps"] for r in ok], why
