@@ -140,7 +140,8 @@ class Group:
         member; unknown in a larger collective."""
         if peer is None and self.size == 2:
             peer = 1 - self.rank
-        return None if peer is None else self.spec.members[peer].machine
+        # A world group knows no other member's machine (`trainmover.runtime.world`).
+        return None if peer is None else self.spec.members[peer].machine or None
 
     def _start(self, start: Callable[[], Any], peer: int | None, call: str = "") -> Any:
         """Starts a work item; posting itself fails at once on a closed connection."""

@@ -187,7 +187,7 @@ class LocalBackend:
 
 
 class SandboxGroup(Group):
-    """A PP or DP group of the role being warmed, answered locally."""
+    """A PP, DP or world group of the role being warmed, answered locally."""
 
     def __init__(
         self,
@@ -239,8 +239,8 @@ class LocalGroup(Group):
 
 
 def sandbox_specs(machine: str, layout: Layout, round_id: str) -> dict[str, GroupSpec]:
-    """Group specs of a sandbox: the machine's real TP group, and PP/DP groups of the
-    layout's sizes whose other members are placeholders. Names carry the round, so a
+    """Group specs of a sandbox: the machine's real TP group, and PP/DP/world groups of
+    the layout's sizes whose other members are placeholders. Names carry the round, so a
     store file is never reused."""
     me = [RankRef(machine=machine, local_rank=t) for t in range(layout.tp)]
 
@@ -254,6 +254,12 @@ def sandbox_specs(machine: str, layout: Layout, round_id: str) -> dict[str, Grou
         ),
         "dp": GroupSpec(
             name=f"sandbox.{round_id}.dp", kind="dp", generation=0, members=placeholders(layout.dp)
+        ),
+        "world": GroupSpec(
+            name=f"sandbox.{round_id}.world",
+            kind="world",
+            generation=0,
+            members=placeholders(layout.world_size),
         ),
     }
 
