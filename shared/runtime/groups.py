@@ -156,9 +156,11 @@ class Group:
             self.signal.fail(error)
             raise error from None
 
-    def _post(self, start: Callable[[], Any], peer: int | None, p2p: bool = False) -> PendingWork:
+    def _post(
+        self, start: Callable[[], Any], peer: int | None, p2p: bool = False, call: str = ""
+    ) -> PendingWork:
         """Starts a work item that the runtime waits itself (`_wait`)."""
-        pending = PendingWork(self, self._start(start, peer), peer, p2p)
+        pending = PendingWork(self, self._start(start, peer, call), peer, p2p)
         self._inflight.append(pending)
         return pending
 
@@ -171,6 +173,21 @@ class Group:
         self._c10d.append(work)
         IN_FLIGHT.track(work)
         return work
+
+    def wait_c10d(self, work: Any) -> None:
+        """A c10d collective's `wait()` (`trainmover.runtime.c10d.RuntimeWork`): through
+        the abort signal, in slices, as the runtime's own waits, so a rank blocked on a
+        peer that will never post gets out when the epoch is aborted."""
+        pending = PendingWork(self, work, None, p2p=False)
+        self._inflight.append(pending)
+        self._wait(pending)
+
+    def post_p2p(self, call: str, start: Callable[[], Any], peer: int) -> PendingWork:
+        """Posts a c10d send or recv: waited by the `Waiter` (a p2p work has no future on
+        gloo, and its own timed wait would close the pair), and tracked as the runtime's
+        own sends and receives are."""
+        self.c10d_failure()
+        return self._post(start, peer, p2p=True, call=call)
 
     def _reap_c10d(self) -> str | None:
         """Drops the c10d works seen complete; the first error among them, if any (the
