@@ -42,6 +42,7 @@ from torch.distributed.distributed_c10d import GroupName
 
 from trainmover.runtime import fault
 from trainmover.runtime.groups import Group, PendingWork
+from trainmover.runtime.steptime import InFlightSpan
 
 #: What `getBackendName` answers (never "gloo": see the module docstring).
 BACKEND_NAME = "trainmover"
@@ -70,11 +71,12 @@ class RuntimeWork(dist.Work):
         self,
         group: Group,
         work: Any,
+        span: InFlightSpan | None = None,
         pending: PendingWork | None = None,
         received: tuple[int, torch.Tensor] | None = None,
     ):
         super().__init__()
-        self._group, self._work, self._pending = group, work, pending
+        self._group, self._work, self._span, self._pending = group, work, span, pending
         self._received = received  # (tag, tensor) of a receive, for the group's tap
         self._waited = False
 
@@ -82,7 +84,8 @@ class RuntimeWork(dist.Work):
         if self._waited:
             return True
         if self._pending is None:
-            self._group.wait_c10d(self._work)
+            assert self._span is not None
+            self._group.wait_c10d(self._work, self._span)
         else:
             self._group._wait(self._pending)
         self._waited = True
@@ -164,15 +167,15 @@ class SwappableGroup(dist.ProcessGroup):
 
     def _post(self, call: str, start: Callable[[Any], Any]) -> Any:
         group = self._group(call)
-        work = group.track(call, lambda: start(group.backend))
+        work, span = group.track(call, lambda: start(group.backend))
         if call == "allreduce" and group.spec.kind == "dp":
             fault.point("dp-allreduce")  # test-only: a machine dies mid all-reduce
-        return RuntimeWork(group, work)
+        return RuntimeWork(group, work, span)
 
     def _p2p(self, call: str, start: Callable[[Any], Any], peer: int, received: Any = None) -> Any:
         group = self._group(call)
         pending = group.post_p2p(call, lambda: start(group.backend), peer)
-        return RuntimeWork(group, pending.work, pending, received)
+        return RuntimeWork(group, pending.work, pending=pending, received=received)
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:
         if isinstance(tensors, torch.Tensor):

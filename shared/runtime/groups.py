@@ -31,7 +31,7 @@ import torch.distributed as dist
 from trainmover.runtime import fault
 from trainmover.runtime.abort import POLL_S, WAITER, AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.plan import GroupSpec, RankRef
-from trainmover.runtime.steptime import IN_FLIGHT, WAITS
+from trainmover.runtime.steptime import IN_FLIGHT, WAITS, InFlightSpan
 
 _incarnations = itertools.count(1)
 
@@ -164,20 +164,22 @@ class Group:
         self._inflight.append(pending)
         return pending
 
-    def track(self, call: str, start: Callable[[], Any]) -> Any:
+    def track(self, call: str, start: Callable[[], Any]) -> tuple[Any, InFlightSpan]:
         """Posts a collective of the c10d wrapper (`trainmover.runtime.c10d`) and returns
-        its work unwaited: its caller waits it. The work is remembered, so a failure or an
+        its work unwaited, with its in-flight span (timed as waiting unless the runtime
+        waits it itself: `wait_c10d`). The work is remembered, so a failure or an
         abandoned work taints this group as the runtime's own collectives do."""
         self.c10d_failure()
         work = self._start(start, None, call)
         self._c10d.append(work)
-        IN_FLIGHT.track(work)
-        return work
+        return work, IN_FLIGHT.track(work)
 
-    def wait_c10d(self, work: Any) -> None:
+    def wait_c10d(self, work: Any, span: InFlightSpan) -> None:
         """A c10d collective's `wait()` (`trainmover.runtime.c10d.RuntimeWork`): through
         the abort signal, in slices, as the runtime's own waits, so a rank blocked on a
-        peer that will never post gets out when the epoch is aborted."""
+        peer that will never post gets out when the epoch is aborted. Timed as waiting
+        here, so not by its in-flight span too."""
+        span.dropped = True
         pending = PendingWork(self, work, None, p2p=False)
         self._inflight.append(pending)
         self._wait(pending)

@@ -6,11 +6,11 @@ A loop runs under TrainMover with a few lines (see `trainmover.runtime.reference
         role = rt.wait_for_role()            # a standby blocks here until a plan names it
         if role is None:
             return                           # released without ever being needed
-        model, optimizer, data = build(role, group_of=lambda: rt.groups["tp"])
+        model, optimizer, data = build(role, group_of=lambda: rt.process_group("tp"))
         rt.track(model, optimizer, stateful={"data": data}, generators={"dropout": gen})
         for step in rt.steps():              # boundaries: switches, transfer, holds, stop
             with rt.attempt():               # a failed step is discarded, not fatal
-                loss = train_one_step(model, optimizer, data.next_batch(), rt.groups)
+                loss = train_one_step(model, optimizer, data.next_batch(), rt.process_group)
                 rt.report(loss=loss)
 
 `Runtime` is the front: what the user calls, the step loop, and the dispatch of control
