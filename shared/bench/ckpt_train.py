@@ -32,6 +32,7 @@ from trainmover.bench.role import EventWriter, build_role
 from trainmover.runtime.config import load_config
 from trainmover.runtime.groups import GroupTable, build_group
 from trainmover.runtime.layout import Role
+from trainmover.runtime.pgs import ProcessGroups
 from trainmover.runtime.plan import RankRef, group_specs
 from trainmover.runtime.state import TrainingState, load_saved
 
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     namespace = f"{cfg.job}/launch{args.launch}"
     device = torch.device("cpu")
     groups.install([build_group(s, me, store, namespace, device, timeout) for s in specs])
-    r = build_role(cfg, role, lambda: groups["tp"], device)
+    c10d = ProcessGroups(layout, role, groups.get, dist.HashStore())
+    r = build_role(cfg, role, lambda: c10d.get("tp"), device)
 
     ckpt_dir = args.run_dir / "ckpt"
     resume = latest_complete(ckpt_dir, world)
@@ -124,12 +126,13 @@ def main(argv: list[str] | None = None) -> int:
             if stop is not None and r.state.step >= stop:
                 save(r.state, ckpt_dir, role, events)
                 break
-            loss = r.job.step(groups, r.state.step + 1)
+            loss = r.job.step(c10d.get, r.state.step + 1)
             r.state.step += 1
             events.write("step", step=r.state.step, loss=loss)
             if r.state.step % args.every == 0:
                 save(r.state, ckpt_dir, role, events)
     finally:
+        c10d.close()
         groups.shutdown()  # a gloo group alive at exit can abort the process
     events.close()
     return 0

@@ -11,18 +11,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from trainmover.runtime.c10d import SwappableGroup
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.data import TokenStream
 from trainmover.runtime.groups import Group
 from trainmover.runtime.layout import GroupKind, Role
-from trainmover.runtime.model import StageModel
+from trainmover.runtime.model import GroupOf, StageModel
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.reference import RoleJob, build
 from trainmover.runtime.state import TrainingState
@@ -53,23 +54,24 @@ CPU = torch.device("cpu")
 
 
 def build_role(
-    cfg: JobConfig, role: Role, tp_group: Callable[[], Group], device: torch.device = CPU
+    cfg: JobConfig, role: Role, tp_group: GroupOf, device: torch.device = CPU
 ) -> RoleTraining:
     """Model, optimizer and data of `role`, built and seeded as the reference job builds
-    them. `tp_group` returns the current TP `Group`."""
+    them. `tp_group` returns the role's c10d TP group."""
     torch.manual_seed(cfg.train.seed)
     job = build(cfg, role, tp_group, device)
     state = TrainingState(job.model, job.optimizer, {"data": job.data}, {"dropout": job.dropout})
     return RoleTraining(job, state)
 
 
-def solo_group(kind: GroupKind, name: str) -> Group:
-    """A group of one (no backend: its collectives are no-ops), for a layout dimension
-    of size 1 inside a baseline's replica."""
+def solo_group(kind: GroupKind, name: str) -> dist.ProcessGroup:
+    """A c10d group of one (no backend: the reference job makes no collective on a group
+    of size 1), for a layout dimension of size 1 inside a baseline's replica."""
     spec = GroupSpec(
         name=name, kind=kind, generation=0, members=[RankRef(machine="solo", local_rank=0)]
     )
-    return Group(spec, rank=0, backend=None, build_s=0.0)
+    solo = Group(spec, rank=0, backend=None, build_s=0.0)
+    return SwappableGroup(name, 0, 1, lambda: solo)
 
 
 class EventWriter:

@@ -72,6 +72,9 @@ class Waiter:
                 fut.set_result(None)
             except BaseException as exc:  # handed to the waiting thread
                 fut.set_exception(exc)
+            # An idle waiter must not keep its last work alive (with the tensors its
+            # future may hold: a shadow iteration's would outlive it).
+            del work, fut
             with self._lock:
                 self._idle += 1
 

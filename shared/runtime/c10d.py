@@ -18,9 +18,15 @@ keyword arguments (`dist.barrier` passes `opts=`), and both names of the renamed
 collectives are defined. A collective the runtime's groups do not support raises
 `UnsupportedCollective` at once, naming the call and the fix, instead of hanging.
 
-Every work posted is tracked by its `Group` (`Group.track`), so a failed or abandoned
-collective marks the group dirty and is reported through the rank's abort signal, as
-for the runtime's own collectives.
+Every work posted is tracked by its `Group` (`Group.track`, `Group.post_p2p`), so a
+failed or abandoned collective marks the group dirty and is reported through the rank's
+abort signal, as for the runtime's own collectives. The works handed out are
+`RuntimeWork`s: their `wait()` (what `dist.*` calls, functional collectives'
+`wait_tensor` and DDP's start-up checks make) goes through the rank's abort signal in
+slices, so a rank blocked on a peer that will never post gets out once the epoch is
+aborted; a send or receive is waited by the `Waiter` (gloo gives a p2p work no future,
+and its own timed wait would close the pair), and a receive is seen by the group's
+recording tap once complete.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from torch._C import _distributed_c10d as _c10d
 from torch.distributed.distributed_c10d import GroupName
 
 from trainmover.runtime import fault
-from trainmover.runtime.groups import Group
+from trainmover.runtime.groups import Group, PendingWork
+from trainmover.runtime.steptime import InFlightSpan
 
 #: What `getBackendName` answers (never "gloo": see the module docstring).
 BACKEND_NAME = "trainmover"
@@ -54,6 +61,53 @@ def completed_work(value: Any = None) -> dist.Work:
     fut: torch.futures.Future[Any] = torch.futures.Future()
     fut.set_result(value)
     return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+
+
+class RuntimeWork(dist.Work):
+    """A c10d work of a `SwappableGroup`, waited through its group (see the module
+    docstring): a collective's work (`pending` None), or a send or receive."""
+
+    def __init__(
+        self,
+        group: Group,
+        work: Any,
+        span: InFlightSpan | None = None,
+        pending: PendingWork | None = None,
+        received: tuple[int, torch.Tensor] | None = None,
+    ):
+        super().__init__()
+        self._group, self._work, self._span, self._pending = group, work, span, pending
+        self._received = received  # (tag, tensor) of a receive, for the group's tap
+        self._waited = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._waited:
+            return True
+        if self._pending is None:
+            assert self._span is not None
+            self._group.wait_c10d(self._work, self._span)
+        else:
+            self._group._wait(self._pending)
+        self._waited = True
+        if self._received is not None and self._group.tap is not None:
+            self._group.tap(*self._received)
+        return True
+
+    def is_completed(self) -> bool:
+        if self._pending is not None:
+            return self._pending.done
+        return bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def get_future(self) -> Any:
+        if self._pending is not None:
+            raise UnsupportedCollective("a send or receive has no future: wait() it")
+        return self._work.get_future()
+
+    def exception(self) -> Any:
+        return None if self._pending is not None else self._work.exception()
 
 
 def _each(
@@ -113,10 +167,15 @@ class SwappableGroup(dist.ProcessGroup):
 
     def _post(self, call: str, start: Callable[[Any], Any]) -> Any:
         group = self._group(call)
-        work = group.track(call, lambda: start(group.backend))
+        work, span = group.track(call, lambda: start(group.backend))
         if call == "allreduce" and group.spec.kind == "dp":
             fault.point("dp-allreduce")  # test-only: a machine dies mid all-reduce
-        return work
+        return RuntimeWork(group, work, span)
+
+    def _p2p(self, call: str, start: Callable[[Any], Any], peer: int, received: Any = None) -> Any:
+        group = self._group(call)
+        pending = group.post_p2p(call, lambda: start(group.backend), peer)
+        return RuntimeWork(group, pending.work, pending=pending, received=received)
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:
         if isinstance(tensors, torch.Tensor):
@@ -207,10 +266,11 @@ class SwappableGroup(dist.ProcessGroup):
         return self._post("barrier", lambda b: b.barrier(opts))
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:  # noqa: N803
-        return self._post("send", lambda b: b.send(tensors, dstRank, tag))
+        return self._p2p("send", lambda b: b.send(tensors, dstRank, tag), dstRank)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:  # noqa: N803
-        return self._post("recv", lambda b: b.recv(tensors, srcRank, tag))
+        received = (tag, tensors[0]) if len(tensors) == 1 else None
+        return self._p2p("recv", lambda b: b.recv(tensors, srcRank, tag), srcRank, received)
 
     # -- refused ------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ class VoteEpochs:
             self.agreement = CommitAgreement(
                 core.store_address,
                 core.config.job,
-                lay.machines * lay.tp,
+                lay.world_size,
                 core.signal,
                 committed,
                 core.config.runtime.failure_timeout_s,
@@ -72,7 +72,7 @@ class VoteEpochs:
             core.store_address,
             core.config.job,
             lay.global_rank(role),
-            lay.machines * lay.tp,
+            lay.world_size,
             core.me.machine,
             core.me.local_rank,
         )

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from trainmover.runtime import fault
 from trainmover.runtime.abort import POLL_S, WAITER, AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.plan import GroupSpec, RankRef
-from trainmover.runtime.steptime import IN_FLIGHT, WAITS
+from trainmover.runtime.steptime import IN_FLIGHT, WAITS, InFlightSpan
 
 _incarnations = itertools.count(1)
 
@@ -140,7 +140,8 @@ class Group:
         member; unknown in a larger collective."""
         if peer is None and self.size == 2:
             peer = 1 - self.rank
-        return None if peer is None else self.spec.members[peer].machine
+        # A world group knows no other member's machine (`trainmover.runtime.world`).
+        return None if peer is None else self.spec.members[peer].machine or None
 
     def _start(self, start: Callable[[], Any], peer: int | None, call: str = "") -> Any:
         """Starts a work item; posting itself fails at once on a closed connection."""
@@ -155,21 +156,40 @@ class Group:
             self.signal.fail(error)
             raise error from None
 
-    def _post(self, start: Callable[[], Any], peer: int | None, p2p: bool = False) -> PendingWork:
+    def _post(
+        self, start: Callable[[], Any], peer: int | None, p2p: bool = False, call: str = ""
+    ) -> PendingWork:
         """Starts a work item that the runtime waits itself (`_wait`)."""
-        pending = PendingWork(self, self._start(start, peer), peer, p2p)
+        pending = PendingWork(self, self._start(start, peer, call), peer, p2p)
         self._inflight.append(pending)
         return pending
 
-    def track(self, call: str, start: Callable[[], Any]) -> Any:
+    def track(self, call: str, start: Callable[[], Any]) -> tuple[Any, InFlightSpan]:
         """Posts a collective of the c10d wrapper (`trainmover.runtime.c10d`) and returns
-        its work unwaited: its caller waits it. The work is remembered, so a failure or an
+        its work unwaited, with its in-flight span (timed as waiting unless the runtime
+        waits it itself: `wait_c10d`). The work is remembered, so a failure or an
         abandoned work taints this group as the runtime's own collectives do."""
         self.c10d_failure()
         work = self._start(start, None, call)
         self._c10d.append(work)
-        IN_FLIGHT.track(work)
-        return work
+        return work, IN_FLIGHT.track(work)
+
+    def wait_c10d(self, work: Any, span: InFlightSpan) -> None:
+        """A c10d collective's `wait()` (`trainmover.runtime.c10d.RuntimeWork`): through
+        the abort signal, in slices, as the runtime's own waits, so a rank blocked on a
+        peer that will never post gets out when the epoch is aborted. Timed as waiting
+        here, so not by its in-flight span too."""
+        span.dropped = True
+        pending = PendingWork(self, work, None, p2p=False)
+        self._inflight.append(pending)
+        self._wait(pending)
+
+    def post_p2p(self, call: str, start: Callable[[], Any], peer: int) -> PendingWork:
+        """Posts a c10d send or recv: waited by the `Waiter` (a p2p work has no future on
+        gloo, and its own timed wait would close the pair), and tracked as the runtime's
+        own sends and receives are."""
+        self.c10d_failure()
+        return self._post(start, peer, p2p=True, call=call)
 
     def _reap_c10d(self) -> str | None:
         """Drops the c10d works seen complete; the first error among them, if any (the

@@ -13,7 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-GroupKind = Literal["tp", "pp", "dp", "transfer"]
+#: "world": the default group of a TP/PP layout, built lazily by each rank
+#: (`trainmover.runtime.world`), never part of a plan.
+GroupKind = Literal["tp", "pp", "dp", "transfer", "world"]
 
 #: A machine role's warm-up class: its pipeline stage's position (what a standby warms).
 RoleType = Literal["only", "first", "middle", "last"]
@@ -76,6 +78,11 @@ class Layout(BaseModel):
     @property
     def ranks_per_machine(self) -> int:
         return self.tp
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job (the default group's size)."""
+        return self.machines * self.tp
 
     def cells(self) -> list[MachineRole]:
         """Every machine role, in the order machines are numbered (dp-major)."""

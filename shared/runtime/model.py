@@ -5,12 +5,15 @@ Tensor parallelism follows Megatron: attention heads and the MLP's hidden units 
 over the TP group; a column-parallel linear takes a replicated input (its input gradient is
 summed over TP in backward) and a row-parallel linear produces partial sums (summed over
 TP in forward). Everything between them (layer norms, residual stream, embedding, head) is
-replicated, so its gradients are equal on every TP rank.
+replicated, so its gradients are equal on every TP rank. The TP sums are standard
+`torch.distributed.all_reduce` calls on the role's c10d TP group
+(`rt.process_group("tp")`), the one group type user code gets too.
 
 Weights are drawn from the full (unsplit) tensor with a generator seeded by (seed, layer,
 name), then sliced, so every layout of the same config starts from the same model, and DP
-replicas start equal. Collectives are looked up through `group_of` at call time: after a
-switch the next step uses the new group without rebuilding the model.
+replicas start equal. The group is looked up through `group_of` at call time (inside a
+standby's shadow iterations it is the sandbox's); a switch replaces what the stable c10d
+group forwards to, so the model is never rebuilt.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ import zlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from trainmover.runtime.config import ModelConfig
-from trainmover.runtime.groups import Group
 from trainmover.runtime.layout import Layout, Role
 
-GroupOf = Callable[[], Group]
+GroupOf = Callable[[], dist.ProcessGroup]
 
 
 def _seeded(seed: int, *tags: object) -> torch.Generator:
@@ -42,14 +45,14 @@ class _CopyToTP(torch.autograd.Function):
     """Identity forward; sums the input gradient over the TP group in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         grad = grad.contiguous().clone()
-        ctx.group.allreduce(grad)
+        dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -57,9 +60,9 @@ class _ReduceFromTP(torch.autograd.Function):
     """Sums partial outputs over the TP group in forward; identity backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         out = x.contiguous().clone()
-        group.allreduce(out)
+        dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
@@ -68,13 +71,13 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _CopyToTP.apply(x, group) if group.size > 1 else x
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _CopyToTP.apply(x, group) if group.size() > 1 else x
 
 
 @torch.compiler.disable
-def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, group) if group.size > 1 else x
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group) if group.size() > 1 else x
 
 
 class TPLinear(nn.Module):

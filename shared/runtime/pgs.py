@@ -12,9 +12,11 @@ The default group: libraries and torchrun scripts call `dist.init_process_group(
 `torch.distributed.init_process_group` so that it installs the active `ProcessGroups`'s
 default group instead of building one: in a data-parallel-only layout that is the DP
 group itself (same members, same ranks), swapped like any other group. In a layout with
-TP or PP the default group answers rank and size (what DeviceMesh and PipelineStage ask
-it), and refuses collectives with an error naming the fix: a world group contains the
-leaver of every migration, so the runtime never rebuilds one.
+TP or PP it is a stable group over every rank of the job that answers rank and size at
+once (what DeviceMesh and PipelineStage ask it) and forwards its collectives to the
+runtime's group of kind "world": on a live rank a real group over every rank, built at
+the first collective after each switch, never eagerly (a world group contains the leaver
+of every migration; `trainmover.runtime.world`); inside the sandbox one answered locally.
 
 `dist.new_group` is refused the same way: a group the runtime did not build is one a
 migration cannot replace.
@@ -104,23 +106,15 @@ class ProcessGroups:
             return self.get("dp")
         with self._lock:
             if self._world is None:
-                world = self.layout.machines * self.layout.tp
+                world = self.layout.world_size
                 self._world = SwappableGroup(
                     self._prefix + "world",
                     self.layout.global_rank(self.role),
                     world,
-                    self._no_world,
+                    lambda: self._current("world"),
                 )
                 register(self._world, list(range(world)), self._store)
             return self._world
-
-    def _no_world(self) -> Group | None:
-        raise UnsupportedCollective(
-            f"a collective on the default (world) group in a {self.layout.tp}x"
-            f"{self.layout.pp}x{self.layout.dp} (tp x pp x dp) layout: the runtime never "
-            "rebuilds a world group (it contains every migration's leaver); pass the group "
-            "of the dimension, rt.process_group('tp' | 'pp' | 'dp')"
-        )
 
     def close(self) -> None:
         """Unregisters every group (a sandbox's, when its shadow round ends)."""
@@ -228,7 +222,7 @@ def set_torchrun_env(layout: Layout, role: Role, local_world: int, store_address
     os.environ.update(
         {
             "RANK": str(layout.global_rank(role)),
-            "WORLD_SIZE": str(layout.machines * layout.tp),
+            "WORLD_SIZE": str(layout.world_size),
             "LOCAL_RANK": str(role.tp),
             "LOCAL_WORLD_SIZE": str(local_world),
             "MASTER_ADDR": host,

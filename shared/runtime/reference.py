@@ -17,10 +17,10 @@ import torch
 
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.data import TokenStream
-from trainmover.runtime.groups import Group, GroupTable
+from trainmover.runtime.groups import GroupTable
 from trainmover.runtime.layout import Role
-from trainmover.runtime.model import StageModel
-from trainmover.runtime.train_step import train_step
+from trainmover.runtime.model import GroupOf, StageModel
+from trainmover.runtime.train_step import GroupsOf, train_step
 from trainmover.runtime.worker import Runtime
 
 
@@ -41,7 +41,8 @@ class RoleJob:
     data: TokenStream
     dropout: torch.Generator
 
-    def step(self, groups: GroupTable, step: int) -> float | None:
+    def step(self, group: GroupsOf, step: int) -> float | None:
+        """One training step over the role's c10d groups (`group(kind)`)."""
         # Dropout draws from a generator reseeded from (role, step): a role's masks are
         # the same whoever plays it, so a joiner restored from a DP replica (whose own
         # generator differs) continues exactly.
@@ -54,17 +55,15 @@ class RoleJob:
             self.model,
             self.optimizer,
             self.data.next_batch(),
-            groups,
+            group,
             self.cfg.train.micro_batches,
             self.cfg.model.d_model,
         )
 
 
-def build(
-    cfg: JobConfig, role: Role, tp_group: Callable[[], Group], device: torch.device
-) -> RoleJob:
+def build(cfg: JobConfig, role: Role, tp_group: GroupOf, device: torch.device) -> RoleJob:
     """The role's model, optimizer, data reader and dropout generator. `tp_group` returns
-    the current TP group at call time (a migration replaces it)."""
+    the role's c10d TP group at call time (inside a shadow iteration, the sandbox's)."""
     dropout = torch.Generator(device=device)
     model = StageModel(cfg.model, cfg.layout, role, cfg.train.seed, tp_group, dropout).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
@@ -89,15 +88,16 @@ def main() -> int:
         warm_up()
 
         def shadow(role: Role, groups: GroupTable) -> Callable[[], object]:
-            job = build(cfg, role, lambda: groups["tp"], rt.device)
+            # rt.process_group hands out the sandbox's c10d groups here.
+            job = build(cfg, role, lambda: rt.process_group("tp"), rt.device)
             steps = itertools.count(1)
-            return lambda: job.step(groups, next(steps))
+            return lambda: job.step(rt.process_group, next(steps))
 
         role = rt.wait_for_role(shadow=shadow)
         if role is None:
             return 0  # a standby released without being used
         torch.manual_seed(cfg.train.seed)
-        job = build(cfg, role, lambda: rt.groups["tp"], rt.device)
+        job = build(cfg, role, lambda: rt.process_group("tp"), rt.device)
         rt.track(
             job.model,
             job.optimizer,
@@ -106,7 +106,7 @@ def main() -> int:
         )
         for step in rt.steps():
             with rt.attempt():
-                rt.report(loss=job.step(rt.groups, step))
+                rt.report(loss=job.step(rt.process_group, step))
     return 0
 
 

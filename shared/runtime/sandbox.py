@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import os
 import zlib
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ from trainmover.runtime.c10d import completed_work
 from trainmover.runtime.groups import Group
 from trainmover.runtime.layout import Layout
 from trainmover.runtime.plan import GroupSpec, RankRef
+from trainmover.runtime.steptime import InFlightSpan
 
 
 class RecordStore(Protocol):
@@ -123,8 +125,16 @@ class LocalBackend:
     every collective is answered at once, as if every other member held this rank's
     values, so DDP's start-up checks pass and its averaged gradients stay this rank's."""
 
-    def __init__(self, rank: int, size: int, stats: SandboxStats, gen: torch.Generator):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        stats: SandboxStats,
+        gen: torch.Generator,
+        record: dict[int, torch.Tensor] | None = None,
+    ):
         self.rank, self.size, self._stats, self._gen = rank, size, stats, gen
+        self._record = record or {}
 
     def _done(self, tensors: Any = None) -> Any:
         self._stats.synthesized += 1
@@ -178,16 +188,27 @@ class LocalBackend:
         return self._done([output])
 
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
-        return self._done()
+        return completed_work()  # completes at once; nothing is synthesised
+
+    def receive(self, tensor: torch.Tensor, tag: int) -> None:
+        """A receive, replayed from the recording when it has the tag with this shape,
+        else synthesised (seeded standard normal)."""
+        recorded = self._record.get(tag)
+        if recorded is not None and recorded.shape == tensor.shape:
+            self._stats.replayed += 1
+            tensor.copy_(recorded)
+        else:
+            self._stats.synthesized += 1
+            tensor.copy_(torch.randn(tensor.shape, generator=self._gen))
 
     def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
         for t in tensors:
-            t.copy_(torch.randn(t.shape, generator=self._gen))
-        return self._done(tensors)
+            self.receive(t, tag)
+        return completed_work()  # holding no tensor: nothing of a shadow outlives it
 
 
 class SandboxGroup(Group):
-    """A PP or DP group of the role being warmed, answered locally."""
+    """A PP, DP or world group of the role being warmed, answered locally."""
 
     def __init__(
         self,
@@ -198,9 +219,9 @@ class SandboxGroup(Group):
         seed: int,
     ):
         self._gen = torch.Generator().manual_seed(seed)
-        backend = LocalBackend(rank, len(spec.members), stats, self._gen)
-        super().__init__(spec, rank, backend=backend, build_s=0.0)
-        self._record, self._stats = record, stats
+        self._local = LocalBackend(rank, len(spec.members), stats, self._gen, record)
+        super().__init__(spec, rank, backend=self._local, build_s=0.0)
+        self._stats = stats
 
     def allreduce(self, tensor: torch.Tensor) -> None:
         # As if every replica held our values: the average is then our own gradient.
@@ -211,13 +232,7 @@ class SandboxGroup(Group):
         return _Done()
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
-        recorded = self._record.get(tag)
-        if recorded is not None and recorded.shape == tensor.shape:
-            self._stats.replayed += 1
-            tensor.copy_(recorded)
-        else:
-            self._stats.synthesized += 1
-            tensor.copy_(torch.randn(tensor.shape, generator=self._gen))
+        self._local.receive(tensor, tag)
 
     def barrier(self) -> None:
         return None
@@ -237,10 +252,15 @@ class LocalGroup(Group):
         self._stats.local += 1
         super().allreduce(tensor)
 
+    def track(self, call: str, start: Callable[[], Any]) -> tuple[Any, InFlightSpan]:
+        """A collective of the c10d face (`trainmover.runtime.c10d`), counted too."""
+        self._stats.local += 1
+        return super().track(call, start)
+
 
 def sandbox_specs(machine: str, layout: Layout, round_id: str) -> dict[str, GroupSpec]:
-    """Group specs of a sandbox: the machine's real TP group, and PP/DP groups of the
-    layout's sizes whose other members are placeholders. Names carry the round, so a
+    """Group specs of a sandbox: the machine's real TP group, and PP/DP/world groups of
+    the layout's sizes whose other members are placeholders. Names carry the round, so a
     store file is never reused."""
     me = [RankRef(machine=machine, local_rank=t) for t in range(layout.tp)]
 
@@ -254,6 +274,12 @@ def sandbox_specs(machine: str, layout: Layout, round_id: str) -> dict[str, Grou
         ),
         "dp": GroupSpec(
             name=f"sandbox.{round_id}.dp", kind="dp", generation=0, members=placeholders(layout.dp)
+        ),
+        "world": GroupSpec(
+            name=f"sandbox.{round_id}.world",
+            kind="world",
+            generation=0,
+            members=placeholders(layout.world_size),
         ),
     }
 

@@ -157,6 +157,9 @@ def _shadow_role(
             tp,
             SandboxGroup(specs["pp"], role.pp, record, stats, seed_for(role_type, role.tp)),
             SandboxGroup(specs["dp"], role.dp, {}, stats, seed_for(role_type, role.tp)),
+            SandboxGroup(
+                specs["world"], layout.global_rank(role), {}, stats, seed_for(role_type, role.tp)
+            ),
         ]
     )
     rng = torch.get_rng_state()  # the shadow must not move the process's global RNG

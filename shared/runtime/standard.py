@@ -11,6 +11,9 @@ Before a joiner switches in, its groups are sandboxed stand-ins (`SandboxGroup`:
 collective answered locally), so a DDP it builds for its role runs its start-up
 collectives without talking to the live job; the switch replaces them with the live
 groups, and every member then realigns together.
+
+The default group of a TP/PP layout forwards to the rank's `LazyWorld`
+(`trainmover.runtime.world`): built at its first collective, dropped at every switch.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from trainmover.runtime.groups import Group, GroupTable
 from trainmover.runtime.layout import Layout, Role
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.sandbox import SandboxGroup, SandboxStats
+from trainmover.runtime.world import LazyWorld
 
 
 class StandardTorch:
@@ -40,6 +44,10 @@ class StandardTorch:
         self.live: pgs.ProcessGroups | None = None
         self._standins: dict[str, Group] = {}
         self._ddp: list[tuple[torch.nn.Module, str]] = []
+        #: The world group of a TP/PP layout, made once the rank has a role by
+        #: `new_world` (set by the runtime, which owns the store and the builders).
+        self.world: LazyWorld | None = None
+        self.new_world: Callable[[Role], LazyWorld] | None = None
         pgs.install_hooks()
 
     def take_role(self, role: Role, store_address: str) -> None:
@@ -48,25 +56,35 @@ class StandardTorch:
         if self.live is None:
             self.live = pgs.ProcessGroups(self.layout, role, self._current, dist.HashStore())
             pgs.make_live(self.live)
+            if not self.live.dp_only and self.new_world is not None:
+                self.world = self.new_world(role)
 
     def _current(self, kind: str) -> Group | None:
         self._before_use()
-        return self.groups.get(kind) or self._standin(kind)
+        if kind != "world":
+            return self.groups.get(kind) or self._standin(kind)
+        if self.groups.get("dp") is None or self.world is None:
+            return self._standin(kind)  # a joiner before its switch
+        return self.world.current()
 
     def _standin(self, kind: str) -> Group:
         group = self._standins.get(kind)
         if group is None:
             assert self.live is not None
             role = self.live.role
-            members = self.layout.group_members(kind, role)  # type: ignore[arg-type]
+            if kind == "world":
+                size, rank = self.layout.world_size, self.layout.global_rank(role)
+            else:
+                members = self.layout.group_members(kind, role)  # type: ignore[arg-type]
+                size, rank = len(members), members.index(role)
             spec = GroupSpec(
                 name=f"standin.{kind}",
                 kind=kind,  # type: ignore[arg-type]
                 generation=0,
-                members=[RankRef(machine="sandbox", local_rank=i) for i in range(len(members))],
+                members=[RankRef(machine="sandbox", local_rank=i) for i in range(size)],
             )
             seed = zlib.crc32(f"standin/{role.key}/{kind}".encode())
-            group = SandboxGroup(spec, members.index(role), {}, SandboxStats(), seed)
+            group = SandboxGroup(spec, rank, {}, SandboxStats(), seed)
             self._standins[kind] = group
         return group
 
@@ -83,7 +101,10 @@ class StandardTorch:
 
     def installed(self, kinds: list[str]) -> None:
         """After a switch installed new groups of `kinds`: every DDP over one of them is
-        realigned (all its members do this at the same boundary)."""
+        realigned (all its members do this at the same boundary), and the world group,
+        whose members changed, is dropped (the next world collective builds it)."""
+        if self.world is not None:
+            self.world.drop()
         for model, kind in self._ddp:
             if kind in kinds:
                 pgs.realign(model)  # type: ignore[arg-type]
@@ -91,7 +112,10 @@ class StandardTorch:
     def c10d_failed(self) -> bool:
         """A c10d work of one of the rank's groups failed (reported through the abort
         signal by the group)."""
-        return any([g.c10d_failure() is not None for g in self.groups.values()])
+        world = [self.world.built] if self.world is not None and self.world.built else []
+        return any([g.c10d_failure() is not None for g in [*self.groups.values(), *world]])
 
     def close(self) -> None:
+        if self.world is not None:
+            self.world.close()
         pgs.remove_hooks()

@@ -128,6 +128,14 @@ class WaitClock(threading.local):
 WAITS = WaitClock()
 
 
+@dataclass
+class InFlightSpan:
+    """One tracked work's span; `dropped` before its completion, it is not counted."""
+
+    started: float
+    dropped: bool = False
+
+
 class InFlightClock:
     """Works that a library waits for itself (DDP's reducer waits for its all-reduces in
     C++, out of the runtime's reach): each one's span from posting to completion. Time
@@ -140,15 +148,18 @@ class InFlightClock:
         self._lock = threading.Lock()
         self._spans: list[tuple[float, float]] = []
 
-    def track(self, work: object) -> None:
-        """Times `work` (a c10d work) from now to its completion."""
-        started = time.perf_counter()
+    def track(self, work: object) -> InFlightSpan:
+        """Times `work` (a c10d work) from now to its completion, unless the returned
+        span is `dropped` first (a work the runtime waits itself: WAITS times that)."""
+        span = InFlightSpan(time.perf_counter())
 
         def done(_: object) -> None:
-            with self._lock:
-                self._spans.append((started, time.perf_counter()))
+            if not span.dropped:
+                with self._lock:
+                    self._spans.append((span.started, time.perf_counter()))
 
         work.get_future().add_done_callback(done)  # type: ignore[attr-defined]
+        return span
 
     def covered(self, start: float, end: float) -> float:
         """Seconds of [start, end] inside some span; forgets spans that ended before

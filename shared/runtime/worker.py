@@ -6,11 +6,11 @@ A loop runs under TrainMover with a few lines (see `trainmover.runtime.reference
         role = rt.wait_for_role()            # a standby blocks here until a plan names it
         if role is None:
             return                           # released without ever being needed
-        model, optimizer, data = build(role, group_of=lambda: rt.groups["tp"])
+        model, optimizer, data = build(role, group_of=lambda: rt.process_group("tp"))
         rt.track(model, optimizer, stateful={"data": data}, generators={"dropout": gen})
         for step in rt.steps():              # boundaries: switches, transfer, holds, stop
             with rt.attempt():               # a failed step is discarded, not fatal
-                loss = train_one_step(model, optimizer, data.next_batch(), rt.groups)
+                loss = train_one_step(model, optimizer, data.next_batch(), rt.process_group)
                 rt.report(loss=loss)
 
 `Runtime` is the front: what the user calls, the step loop, and the dispatch of control
@@ -65,6 +65,7 @@ from trainmover.runtime.shadow import ShadowFn, warm_up
 from trainmover.runtime.standard import StandardTorch
 from trainmover.runtime.state import Stateful, TrainingState
 from trainmover.runtime.steptime import StepTimer
+from trainmover.runtime.world import LazyWorld
 
 
 class Runtime:
@@ -122,6 +123,7 @@ class Runtime:
         self._votes = VoteEpochs(self._core)
         self._planned = PlannedSwitch(self._core, self._votes.new_epoch)
         self._recovery = FailureRecovery(self._core, self._votes.new_epoch, self._votes.abort)
+        self.torch.new_world = self._new_world
         self._conn = self._core.conn = c.Connection(
             c.connect(control_address), on_request=self._on_request, on_close=self._on_close
         ).start()
@@ -137,6 +139,28 @@ class Runtime:
                 # Generation-0 groups build in the background while the user builds it.
                 self._initial = self._core.builder(welcome.groups, "initial-groups")
         self.log.info("welcome", role=welcome.role and welcome.role.key, limit=welcome.limit)
+
+    def _new_world(self, role: Role) -> LazyWorld:
+        """The world group of a TP/PP layout (`trainmover.runtime.world`); its slot is the
+        (vote epoch, step) a collective belongs to, the step about to start between two."""
+        core, votes = self._core, self._votes
+
+        def slot() -> str:
+            step = votes.in_flight if votes.in_flight is not None else core.committed + 1
+            return f"{self.signal.epoch}/{step}"
+
+        return LazyWorld(
+            self.me,
+            self.config.job,
+            self.config.layout.global_rank(role),
+            self.config.layout.world_size,
+            slot=slot,
+            store=core.store,
+            build=core.builder,
+            signal=self.signal,
+            timeout_s=core.timeout_s,
+            log=lambda: core.log,
+        )
 
     @classmethod
     def from_env(cls) -> Runtime:

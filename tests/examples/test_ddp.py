@@ -85,8 +85,13 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Run:
         return Run(run_dir, job.losses(), warmed, recoveries)
 
 
-def assert_bit_identical(moved: Run, reference: Run, dp: int) -> None:
-    for role_key in [f"d{d}p0t0" for d in range(dp)]:
+def dp_roles(dp: int) -> list[str]:
+    return [f"d{d}p0t0" for d in range(dp)]
+
+
+def assert_bit_identical(moved: Run, reference: Run, roles: list[str]) -> None:
+    """Every role's parameters, optimizer state and data position, and the losses."""
+    for role_key in roles:
         ours, theirs = moved.state(role_key), reference.state(role_key)
         assert ours.keys() == theirs.keys()
         assert any(k.startswith("optim.") for k in ours)  # AdamW's state is compared too
@@ -97,7 +102,7 @@ def assert_bit_identical(moved: Run, reference: Run, dp: int) -> None:
 
 
 def test_a_moved_ddp_job_ends_bit_identical_to_an_uninterrupted_one(reference, moved):
-    assert_bit_identical(moved, reference, dp=2)
+    assert_bit_identical(moved, reference, dp_roles(2))
 
 
 def test_failures_recover_from_the_replica_and_re_execute_the_lost_step(moved):
@@ -160,4 +165,4 @@ def test_at_dp3_a_moved_middle_rank_and_a_failure_end_bit_identical(tmp_path: Pa
         assert recovery.step == FAULTS3[0][1] - 1
         job.finish(timeout_s=WAIT_S)
         moved = Run(tmp_path / "moved", job.losses(), steps=STEPS3)
-    assert_bit_identical(moved, reference, dp=3)
+    assert_bit_identical(moved, reference, dp_roles(3))

@@ -10,6 +10,8 @@ and dist.* wrappers returned before and after the swap, and the errors of refuse
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -18,7 +20,9 @@ import torch.distributed._functional_collectives as funcol
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainmover.runtime import pgs as P
-from trainmover.runtime.groups import GroupTable, build_group
+from trainmover.runtime.abort import AbortSignal, StepAborted
+from trainmover.runtime.c10d import SwappableGroup, register, unregister
+from trainmover.runtime.groups import Group, GroupTable, build_group
 from trainmover.runtime.layout import Layout, Role
 from trainmover.runtime.plan import GroupSpec, RankRef
 
@@ -60,6 +64,52 @@ def train_step(model: DDP, opt: torch.optim.Optimizer, step: int, rank: int) -> 
     opt.zero_grad()
     model(torch.randn(4, 8, generator=gen)).square().mean().backward()
     opt.step()
+
+
+def point_to_point(pg: dist.ProcessGroup, group: Group, rank: int) -> dict[str, object]:
+    """Rank 0 sends, rank 1 receives (tagged), over the c10d group; rank 1's recording
+    tap sees what it received."""
+    tapped: list[tuple[int, torch.Tensor]] = []
+    group.tap = lambda tag, t: tapped.append((tag, t.clone()))
+    if rank == 0:
+        dist.isend(torch.arange(4.0), group_dst=1, group=pg, tag=7).wait()
+        dist.send(torch.full((2,), 9.0), group_dst=1, group=pg, tag=8)
+        got = torch.zeros(1)
+    else:
+        got = torch.zeros(4)
+        dist.recv(got, group_src=0, group=pg, tag=7)
+        last = torch.zeros(2)
+        dist.irecv(last, group_src=0, group=pg, tag=8).wait()
+    group.tap = None
+    return {"got": got, "tapped": tapped}
+
+
+def abort_a_wait(store: dist.Store, rank: int) -> dict[str, object]:
+    """Rank 0 all-reduces over a group whose other member never does (and stays alive);
+    its abort signal, set from another thread, ends the wait."""
+    me = RankRef(machine=f"m{rank}", local_rank=0)
+    signal = AbortSignal("e0", 60)
+    group = build_group(spec("abort.dp", "dp", 0, [0, 1]), me, store, "j", CPU, 60, signal)
+    pg = SwappableGroup("abort.dp", rank, 2, lambda: group)
+    register(pg, [0, 1], store)
+    outcome: dict[str, object] = {}
+    if rank == 0:
+        threading.Timer(0.3, signal.set, ("e0", "a peer is gone")).start()
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(2), group=pg)
+        except StepAborted as exc:
+            outcome = {"error": str(exc), "seconds": time.monotonic() - started}
+        outcome["dirty"] = group.dirty
+        store.set("abort/done", "1")
+        store.wait(["abort/matched"])  # the abandoned work is over on the wire too
+    else:
+        store.wait(["abort/done"])
+        group.backend.allreduce([torch.ones(2)]).wait()
+        store.set("abort/matched", "1")
+    unregister(pg)
+    group.shutdown()
+    return outcome
 
 
 def main(rank: int, size: int, port: int, out: str) -> int:
@@ -115,8 +165,10 @@ def main(rank: int, size: int, port: int, out: str) -> int:
             t = torch.full((3,), float(rank))
             dist.broadcast(t, group_src=1, group=pgs_a.get("dp"))
             result["broadcast_after"] = t
+            result["p2p"] = point_to_point(pgs_a.get("dp"), swapped["dp"], rank)
     result["a"] = {n: p.detach().clone() for n, p in a.module.named_parameters()}
     result["b"] = {n: p.detach().clone() for n, p in b.module.named_parameters()}
+    result["aborted"] = abort_a_wait(store, rank)
     torch.save(result, out)
     for t in (swapped, steady):
         t.shutdown()

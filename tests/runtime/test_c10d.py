@@ -76,3 +76,18 @@ def test_bad_input_is_refused_with_the_call_and_the_fix(ranks):
     )
     assert "dist.new_group" in result["new_group"] and "rt.process_group" in result["new_group"]
     assert "recv_anysource" in result["anysource"] and "explicit source" in result["anysource"]
+
+
+def test_sends_and_receives_over_the_c10d_group_arrive_and_are_tapped(ranks):
+    assert ranks[1]["p2p"]["got"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    tapped = ranks[1]["p2p"]["tapped"]
+    assert [tag for tag, _ in tapped] == [7, 8]
+    assert tapped[1][1].tolist() == [9.0, 9.0]
+    assert ranks[0]["p2p"]["tapped"] == []  # a sender records nothing
+
+
+def test_a_c10d_wait_on_a_peer_that_never_posts_ends_with_the_abort(ranks):
+    aborted = ranks[0]["aborted"]
+    assert "a peer is gone" in aborted["error"]
+    assert aborted["seconds"] < 30  # the abort, not the group's 60 s timeout
+    assert aborted["dirty"]  # an abandoned work: a recovery rebuilds the group

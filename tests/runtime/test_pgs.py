@@ -23,15 +23,19 @@ ROLE = Role(dp=1, pp=0, tp=1)
 
 def sandboxed(layout: Layout, role: Role, stats: SandboxStats) -> GroupTable:
     table = GroupTable()
-    for kind in ("tp", "pp", "dp"):
-        members = layout.group_members(kind, role)  # type: ignore[arg-type]
+    for kind in ("tp", "pp", "dp", "world"):
+        if kind == "world":
+            size, rank = layout.world_size, layout.global_rank(role)
+        else:
+            members = layout.group_members(kind, role)  # type: ignore[arg-type]
+            size, rank = len(members), members.index(role)
         spec = GroupSpec(
             name=f"x.{kind}",
             kind=kind,  # type: ignore[arg-type]
             generation=0,
-            members=[RankRef(machine="sandbox", local_rank=i) for i in range(len(members))],
+            members=[RankRef(machine="sandbox", local_rank=i) for i in range(size)],
         )
-        table.install([SandboxGroup(spec, members.index(role), {}, stats, seed=1)])
+        table.install([SandboxGroup(spec, rank, {}, stats, seed=1)])
     return table
 
 
@@ -87,12 +91,14 @@ def test_ddp_over_a_group_the_runtime_did_not_hand_out_is_refused(groups):
         P.check_ddp(ddp, pgs)
 
 
-def test_the_world_group_of_a_multi_dimensional_layout_refuses_collectives(groups):
-    pgs, _ = groups
+def test_the_world_group_of_a_multi_dimensional_layout_forwards_to_the_world_kind(groups):
+    pgs, stats = groups
     world = pgs.world()
     assert (world.rank(), world.size()) == (LAYOUT.global_rank(ROLE), 4)
-    with pytest.raises(UnsupportedCollective, match=r"2x1x2 .*rt.process_group"):
-        world.allreduce([torch.ones(1)])
+    assert world is not pgs.get("dp") and world is not pgs.get("tp")
+    t = torch.ones(2)
+    dist.all_reduce(t, group=world)  # answered by the sandbox: as if all 4 held ours
+    assert torch.equal(t, torch.full((2,), 4.0)) and stats.synthesized == 1
 
 
 def test_a_collective_before_the_group_is_installed_names_the_fix():
