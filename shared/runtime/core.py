@@ -67,6 +67,9 @@ class Core:
     state: TrainingState | None = None
     #: Builds this process started that `Runtime.close` must know about.
     builders: list[GroupBuilder] = field(default_factory=list)
+    #: The step whose state this rank took from a DP replica (a failure's joiner): its
+    #: parameters are the role's, its per-replica RNGs are the replica's.
+    replica_state_at: int | None = None
 
     @property
     def timeout_s(self) -> float:

@@ -5,7 +5,8 @@ through an optimizer step pre-hook); a vote epoch begins with every rank at one 
 step and ends when some rank aborts it (a failed collective, a recover plan, the
 supervisor). The progress board (`trainmover.runtime.progress`) names whoever holds a
 step back. A step that the abort reached before its vote is discarded, and re-executed
-after the recovery.
+after the recovery. The lazily built world group of a TP/PP layout is keyed by the same
+(epoch, step) (`new_world`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from trainmover.runtime import fault
 from trainmover.runtime.abort import CollectiveError, StepAborted
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.core import Core
+from trainmover.runtime.layout import Role
 from trainmover.runtime.progress import Progress, ProgressBoard, StallWatch
 from trainmover.runtime.steptime import WAITS
+from trainmover.runtime.world import LazyWorld
 
 
 class VoteEpochs:
@@ -34,6 +37,28 @@ class VoteEpochs:
         self.voted = self.discarded = self.committed_in_flight = False
         self.block_in = ""  # fault injection only (control `block`)
         core.signal.on_failure = self._on_collective_failure
+
+    def new_world(self, role: Role) -> LazyWorld:
+        """The world group of a TP/PP layout (`trainmover.runtime.world`); its slot is the
+        (vote epoch, step) a collective belongs to, the step about to start between two."""
+        core = self.core
+
+        def slot() -> str:
+            step = self.in_flight if self.in_flight is not None else core.committed + 1
+            return f"{core.signal.epoch}/{step}"
+
+        return LazyWorld(
+            core.me,
+            core.config.job,
+            core.config.layout.global_rank(role),
+            core.config.layout.world_size,
+            slot=slot,
+            store=core.store,
+            build=core.builder,
+            signal=core.signal,
+            timeout_s=core.timeout_s,
+            log=lambda: core.log,
+        )
 
     def new_epoch(self, epoch: str, committed: int) -> None:
         """Starts vote epoch `epoch` with every rank at step `committed`."""

@@ -6,7 +6,8 @@ Set ``TM_TEST_FAULT`` to a comma-separated list of ``<machine>@<step>:<point>`` 
 process group (the launcher starts each machine's workers in one group), as a machine
 failure would. Points: ``forward``, ``backward`` (reference train step), ``dp-allreduce``
 (gradient all-reduce posted, not finished), ``after-allreduce`` (all-reduce done, before
-the commit vote). Never set in production; without the variable every call is a no-op.
+the commit vote), ``after-dump`` (the step committed and its state dumped, before the
+next step). Never set in production; without the variable every call is a no-op.
 """
 
 from __future__ import annotations

@@ -137,6 +137,8 @@ class FailureRecovery:
                 )
                 transfer_bytes += stats.bytes
                 transfer_s += stats.seconds
+            if joiner:
+                core.replica_state_at = state.step
         # Shutting down never blocks, even with an abandoned work in a replaced group.
         retire(core.groups.install(built))
         core.torch.installed([g.spec.kind for g in built])

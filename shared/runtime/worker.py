@@ -46,7 +46,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from trainmover.runtime import checkpoint, fault, logs
+from trainmover.runtime import checkpoint, dumps, fault, logs
 from trainmover.runtime import control as c
 from trainmover.runtime.abort import AbortSignal, StepAborted
 from trainmover.runtime.acceptance import Acceptance
@@ -65,7 +65,6 @@ from trainmover.runtime.shadow import ShadowFn, warm_up
 from trainmover.runtime.standard import StandardTorch
 from trainmover.runtime.state import Stateful, TrainingState
 from trainmover.runtime.steptime import StepTimer
-from trainmover.runtime.world import LazyWorld
 
 
 class Runtime:
@@ -123,7 +122,7 @@ class Runtime:
         self._votes = VoteEpochs(self._core)
         self._planned = PlannedSwitch(self._core, self._votes.new_epoch)
         self._recovery = FailureRecovery(self._core, self._votes.new_epoch, self._votes.abort)
-        self.torch.new_world = self._new_world
+        self.torch.new_world = self._votes.new_world
         self._conn = self._core.conn = c.Connection(
             c.connect(control_address), on_request=self._on_request, on_close=self._on_close
         ).start()
@@ -139,28 +138,6 @@ class Runtime:
                 # Generation-0 groups build in the background while the user builds it.
                 self._initial = self._core.builder(welcome.groups, "initial-groups")
         self.log.info("welcome", role=welcome.role and welcome.role.key, limit=welcome.limit)
-
-    def _new_world(self, role: Role) -> LazyWorld:
-        """The world group of a TP/PP layout (`trainmover.runtime.world`); its slot is the
-        (vote epoch, step) a collective belongs to, the step about to start between two."""
-        core, votes = self._core, self._votes
-
-        def slot() -> str:
-            step = votes.in_flight if votes.in_flight is not None else core.committed + 1
-            return f"{self.signal.epoch}/{step}"
-
-        return LazyWorld(
-            self.me,
-            self.config.job,
-            self.config.layout.global_rank(role),
-            self.config.layout.world_size,
-            slot=slot,
-            store=core.store,
-            build=core.builder,
-            signal=self.signal,
-            timeout_s=core.timeout_s,
-            log=lambda: core.log,
-        )
 
     @classmethod
     def from_env(cls) -> Runtime:
@@ -354,7 +331,8 @@ class Runtime:
                     self._cond.wait()
                     continue
             if action == "train":
-                self._maybe_dump(step)
+                dumps.maybe_dump(self._core, step)
+                fault.point("after-dump")  # test-only: a machine dies after its dump
                 return True
             if action == "recover":
                 self._recovery.carry_out(joiner=False)
@@ -362,18 +340,11 @@ class Runtime:
             if action == "finish":
                 if self._orphaned:
                     raise SupervisorGone("control connection closed")
-                self._maybe_dump(step)
+                dumps.maybe_dump(self._core, step)
                 return False
             if self._planned.switch(step) == "left":
                 self._exit_reason = "left"
                 return False
-
-    def _maybe_dump(self, step: int) -> None:
-        if self.config.train.dumps_at(step) and self._state and self.role:
-            path = self.run_dir / "state" / f"{self.role.key}.step{step}.pt"
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._state.save(path)
 
     # -- per step: recording, checkpoints ----------------------------------------------
 

@@ -1,0 +1,27 @@
+"""The state dumps a job config asks for (`train.dump_steps`, `train.dump_every`): a
+role's full state after a step, saved under the run folder for comparisons between runs
+(the bit-identical checks of the tests, the demo and the chaos soak).
+
+A dump is the role's state as the rank that trained the step holds it. A failure's
+joiner restored at a step from a DP replica holds the replica's per-replica RNGs (the
+role's own died with it; the leaver saved its dump, if it got that far): it saves from
+its next dump step on.
+"""
+
+from __future__ import annotations
+
+from trainmover.runtime.core import Core
+
+
+def maybe_dump(core: Core, step: int) -> None:
+    """Saves the state after `step` if the config asks for it (once per role and step)."""
+    role, state = core.accepted.role, core.state
+    if not core.config.train.dumps_at(step) or state is None or role is None:
+        return
+    if core.replica_state_at == step:
+        core.log.info("dump_skipped", step=step, reason="state from a DP replica")
+        return
+    path = core.run_dir / "state" / f"{role.key}.step{step}.pt"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state.save(path)
