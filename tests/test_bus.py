@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections.abc import Iterator
 
 import pytest
 import structlog
@@ -218,6 +220,17 @@ def test_hold_lets_go_of_a_message_that_never_comes_back():
     assert not hold.holds_back(6)
 
 
+@pytest.fixture
+def every_level() -> Iterator[None]:
+    """Debug calls reach `capture_logs` even after another test of this process set a
+    service's log level (a filtering wrapper drops them before any processor)."""
+    previous = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    yield
+    structlog.configure(**previous)
+
+
+@pytest.mark.usefixtures("every_level")
 def test_an_outage_of_failing_fetches_is_logged_once_with_its_length() -> None:
     now = [100.0]
     outage = durable._FetchOutage("j", "planner", clock=lambda: now[0])
