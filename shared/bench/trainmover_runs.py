@@ -34,8 +34,9 @@ from trainmover.runtime.bench import (
     step_end,
 )
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import REFERENCE_ENTRY, LocalJob, MigrationReport
+from trainmover.runtime.driver import REFERENCE_ENTRY, LocalJob
 from trainmover.runtime.plan import RankRef
+from trainmover.runtime.reports import MigrationReport
 
 Variant = Literal["delta", "full_rebuild", "no_overlap", "no_shadow"]
 VARIANTS: tuple[Variant, ...] = ("delta", "full_rebuild", "no_overlap", "no_shadow")

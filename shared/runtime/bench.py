@@ -37,9 +37,10 @@ from typing import Any
 
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig, load_config
-from trainmover.runtime.driver import LocalJob, MigrationReport, RecoveryReport
+from trainmover.runtime.driver import LocalJob
 from trainmover.runtime.layout import MachineRole
 from trainmover.runtime.plan import RankRef
+from trainmover.runtime.reports import MigrationReport, RecoveryReport
 
 CELL = MachineRole(dp=0, pp=0)
 #: (machine, step, point): failures injected at the start of the run, one per standby.

@@ -10,7 +10,9 @@ rank -> switched, with state from a DP replica, or the last checkpoint when DP=1
 sidecar sends the same commands over the same channel (`RankCommands`).
 
 Waits are on events from the workers with deadlines; a worker that dies fails the wait
-at once with the tail of its log instead of letting it run into its deadline.
+at once with the tail of its log instead of letting it run into its deadline. What a
+migration or recovery reported: `trainmover.runtime.reports`; a command line over it:
+`trainmover.runtime.localrun`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,46 +30,11 @@ from trainmover.runtime.launcher import ControlServer, WorkerStarter
 from trainmover.runtime.layout import MachineRole, Role
 from trainmover.runtime.plan import Plan, RankRef, compute_delta, group_specs
 from trainmover.runtime.rendezvous import RendezvousHost
+from trainmover.runtime.reports import MigrationReport, RecoveryReport
 from trainmover.runtime.supervisor import RankCommands, RankTracker, stop_processes
 
 REFERENCE_ENTRY = "trainmover.runtime.reference"
 T = TypeVar("T")
-
-
-@dataclass
-class MigrationReport:
-    """What one migration did, as the workers reported it."""
-
-    plan: Plan
-    commit_step: int
-    prepare_sent: float
-    ready: dict[RankRef, c.Ready]
-    ready_at: float
-    commit_sent: float
-    commit_acked: float
-    switched: dict[RankRef, c.Switched]
-    prepare_acks: dict[RankRef, c.PrepareAck] = field(default_factory=dict)
-
-
-@dataclass
-class RecoveryReport:
-    """What one recovery from a machine failure did."""
-
-    plan: Plan
-    dead: str
-    #: Wall clock: the supervisor noticed the death; the recover plan was sent; acks.
-    detected_at: float
-    recover_sent: float
-    acks: dict[RankRef, c.RecoverAck]
-    switched: dict[RankRef, c.Switched]
-
-    @property
-    def step(self) -> int:
-        """The step every rank resumed from (they all agree, or this raises)."""
-        steps = {e.step for e in self.switched.values()}
-        if len(steps) != 1:
-            raise AssertionError(f"ranks resumed from different steps: {steps}")
-        return steps.pop()
 
 
 class LocalJob:
@@ -500,58 +466,3 @@ class LocalJob:
         for spec in plan.groups:
             self.generations[spec.name] = spec.generation
         return RecoveryReport(plan, dead, detected_at, recover_sent, acks, switched)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m trainmover.runtime.driver --config job.yaml --migrate m0=s0@20``"""
-    import argparse
-    import json
-    import tempfile
-
-    from trainmover.runtime.config import load_config
-
-    parser = argparse.ArgumentParser(description="Run a job locally and migrate machines.")
-    parser.add_argument("--config", type=Path, required=True, help="job config (YAML/JSON)")
-    parser.add_argument("--standbys", type=int, default=1)
-    parser.add_argument("--run-dir", type=Path, help="logs and states (default: a temp dir)")
-    parser.add_argument(
-        "--migrate",
-        action="append",
-        default=[],
-        metavar="LEAVER=JOINER@STEP",
-        help="a planned migration; several in one plan: m0=s0,m1=s1@20",
-    )
-    args = parser.parse_args(argv)
-    config = load_config(args.config)
-    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-"))
-    with LocalJob.launch(config, run_dir, standbys=args.standbys) as job:
-        for spec in args.migrate:
-            pairs, _, step = spec.partition("@")
-            moves = dict(pair.split("=", 1) for pair in pairs.split(","))
-            report = job.migrate(moves, at_step=int(step) if step else None)
-            print(
-                json.dumps(
-                    {
-                        "plan": report.plan.plan_id,
-                        "step": report.commit_step,
-                        "rebuilt": [g.name for g in report.plan.groups],
-                    }
-                )
-            )
-        job.finish()
-        losses = job.losses()
-    print(
-        json.dumps(
-            {
-                "run_dir": str(run_dir),
-                "steps": len(losses),
-                "first_loss": losses.get(1),
-                "last_loss": losses.get(max(losses)),
-            }
-        )
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -23,8 +23,9 @@ import torch
 from trainmover.examples.ddp import train, train_trainmover
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import LocalJob, RecoveryReport
+from trainmover.runtime.driver import LocalJob
 from trainmover.runtime.plan import RankRef
+from trainmover.runtime.reports import RecoveryReport
 
 ENTRY = "trainmover.examples.ddp.train_trainmover"
 STEPS = 14

@@ -32,8 +32,9 @@ import pytest
 
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import LocalJob, RecoveryReport
+from trainmover.runtime.driver import LocalJob
 from trainmover.runtime.plan import Plan, RankRef
+from trainmover.runtime.reports import RecoveryReport
 
 
 @dataclass(frozen=True)
