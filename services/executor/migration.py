@@ -8,8 +8,9 @@
   training went on.
 - committing: the switch step k is picked ahead of the furthest rank (`margin` steps),
   *recorded*, then sent as `commit(k)` to the same machines (the joiners' acked first);
-  a round every rank refused as too late (the record write waited for the bus) is
-  repeated with a later k (`switch`).
+  a round that any rank refused as too late (the record write waited for the bus, or
+  fast steps outran the margin) is dropped by the ranks and repeated with a later k
+  (`switch`).
 - transferring: `transfer` waits until every affected rank switched at the boundary
   after k (the leaver sent its state one-to-one to the joiner and exited).
 - releasing: the leaver's sidecar takes the machine into maintenance.
@@ -192,6 +193,7 @@ class Migration:
                     step=k,
                     passed=outcome.passed,
                     round=self.record.commit_round,
+                    detail=outcome.detail,
                 )
                 self.record.commit_round += 1
                 k = await self._pick_switch_step([outcome.passed])

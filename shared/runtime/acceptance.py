@@ -110,8 +110,14 @@ class RecoverDecision:
 
 @dataclass(frozen=True)
 class CommitDecision:
+    """`accepted`: this rank switches at k if every committer took it
+    (`trainmover.runtime.switchvote`); `part` its part (None: an unknown plan);
+    `retry`: the same k again, answered as before."""
+
     accepted: bool
     reason: str = ""
+    part: Part | None = None
+    retry: bool = False
 
 
 @dataclass
@@ -176,18 +182,28 @@ class Acceptance:
     # -- phase 2 -----------------------------------------------------------------------
 
     def commit(self, plan_id: str, step: int) -> CommitDecision:
-        """Phase 2: switch at the boundary after `step`. Refused for a plan not in phase
-        1 here, before its groups are built, or (leaver, stayer) at a step this rank has
-        already passed; a joiner has no steps of its own to pass."""
+        """Phase 2: switch at the boundary after `step`, if every committer takes it.
+        Refused for a plan not in phase 1 here, before its groups are built, or (leaver,
+        stayer) at a step this rank has already passed; a joiner has no steps of its own
+        to pass. A later k replaces one that was not switched at (its round was
+        dropped)."""
         mig = self.planned
         if mig is None or mig.plan.plan_id != plan_id:
             return CommitDecision(False, "unknown plan")
+        if mig.commit_step == step:
+            return CommitDecision(True, part=mig.part, retry=True)
         if not mig.build.done or mig.build.error is not None:
-            return CommitDecision(False, "not ready")
+            return CommitDecision(False, "not ready", part=mig.part)
         if mig.part != "joiner" and step <= self.passed:
-            return CommitDecision(False, "too late")
+            return CommitDecision(False, "too late", part=mig.part)
         mig.commit_step = step
-        return CommitDecision(True)
+        return CommitDecision(True, part=mig.part)
+
+    def dropped(self, mig: Planned, step: int) -> None:
+        """The switch at `step` was dropped (a committer refused it): `mig` waits for a
+        later commit; a leaver or stayer trains on over its old groups."""
+        if mig.commit_step == step:
+            mig.commit_step = None
 
     def at_boundary(self, step: int, aborted: bool) -> Action:
         """What the training thread does at the boundary after `step`: a recovery first;

@@ -176,6 +176,8 @@ class RankStatus(Message):
     epoch: str = "e0"
     aborted: bool = False
     digest: str = ""
+    #: Last step whose boundary this rank has left (a commit of it is refused).
+    passed: int = -1
 
 
 class Error(Message):

@@ -127,6 +127,16 @@ class Plan(BaseModel):
     def stayers(self) -> set[str]:
         return self.affected_machines() - self.leavers() - self.joiners()
 
+    def committers(self) -> list[RankRef]:
+        """The ranks whose acceptance of commit(k) the switch at k needs: every member of
+        the delta and of the transfer pairs but the joiners' ranks (a joiner has no steps
+        of its own to pass)."""
+        joiners = self.joiners()
+        ranks = {r for s in [*self.groups, *self.transfers] for r in s.members}
+        return sorted(
+            (r for r in ranks if r.machine not in joiners), key=lambda r: (r.machine, r.local_rank)
+        )
+
     def move_of(self, machine: str) -> Move | None:
         """The move where `machine` is leaver or joiner."""
         return next((m for m in self.moves if machine in (m.leaver, m.joiner)), None)

@@ -7,12 +7,14 @@
 2. `_report_ready` (a waiter thread): once built, `ready` (or `plan_failed`) goes to the
    supervisor, with how many steps trained during the build.
 3. `commit` (control thread): phase 2 is fixed at a step the rank has not passed yet;
-   nothing changes before that boundary.
-4. `switch` (training thread, at the boundary after the commit step): a leaver sends
+   nothing changes before that boundary. The rank's answer goes into the switch
+   agreement (`trainmover.runtime.switchvote`): k holds only if every committer took it.
+4. `switch` (training thread, at the boundary after the commit step, once k holds; a k
+   that a committer refused is dropped and training goes on): a leaver sends
    its full state to its joiner over the transfer pair, shuts its groups down and
    leaves; a stayer swaps in its new groups and trains on.
-5. `join` (training thread, a joiner before its first step): waits for the commit,
-   receives the leaver's state, installs its groups and trains from the leaver's step.
+5. `join` (training thread, a joiner before its first step): waits for a commit that
+   holds, receives the leaver's state, installs its groups and trains from the leaver's step.
 
 Each rank reports `switched` when done. A failure's recover plan supersedes a migration
 still in flight (`trainmover.runtime.recovery`).
@@ -29,6 +31,7 @@ from trainmover.runtime import control as c
 from trainmover.runtime.acceptance import Planned
 from trainmover.runtime.core import Core, SupervisorGone
 from trainmover.runtime.groups import Group, GroupBuilder, retire
+from trainmover.runtime.switchvote import DROP, SWITCH, SwitchVote
 
 
 def transfer_group(built: list[Group]) -> Group:
@@ -100,24 +103,66 @@ class PlannedSwitch:
     # -- 3. commit (control thread) ----------------------------------------------------
 
     def commit(self, msg: c.Commit) -> c.CommitAck:
+        """Takes k = `msg.step`, or refuses it; a committer's answer is recorded in the
+        switch agreement (`trainmover.runtime.switchvote`) before it is sent."""
         core = self.core
         with core.cond:
             decision = core.accepted.commit(msg.plan_id, msg.step)
             passed = core.accepted.passed
+            mig = core.accepted.planned
             if decision.accepted:
                 core.cond.notify_all()
+        vote = self._vote(msg.plan_id)
         if not decision.accepted:
+            core.log.warning(
+                "commit_refused", plan_id=msg.plan_id, step=msg.step, reason=decision.reason
+            )
+            try:
+                vote.refuse(msg.step)
+            except RuntimeError as exc:  # a standby that never learnt the store
+                core.log.warning("commit_refusal_not_recorded", error=str(exc))
             return c.CommitAck(accepted=False, passed=passed, reason=decision.reason)
-        core.log.info("commit", plan_id=msg.plan_id, step=msg.step)
+        if decision.part != "joiner" and not decision.retry:
+            assert mig is not None
+            vote.accept(msg.step, len(mig.plan.committers()))
+        core.log.info("commit", plan_id=msg.plan_id, step=msg.step, retry=decision.retry)
         return c.CommitAck(accepted=True, passed=passed)
+
+    def _vote(self, plan_id: str) -> SwitchVote:
+        return SwitchVote(self.core.config.job, plan_id, self.core.store)
+
+    def _agreed(self, mig: Planned, step: int) -> bool:
+        """Whether every committer took k = `step` (the switch agreement's decision);
+        False also when, while this rank waited for it, a recovery came, the rank was
+        stopped or k was replaced. A dropped k is forgotten: a later commit replaces it."""
+        core = self.core
+
+        def keep_waiting() -> bool:
+            with core.cond:
+                return (
+                    mig.commit_step == step
+                    and core.accepted.recovering is None
+                    and not core.accepted.stopped
+                )
+
+        decision = self._vote(mig.plan.plan_id).decision(step, keep_waiting, core.timeout_s)
+        if decision == DROP:
+            core.log.warning("switch_dropped", plan_id=mig.plan.plan_id, step=step)
+            with core.cond:
+                core.accepted.dropped(mig, step)
+                core.cond.notify_all()
+        return decision == SWITCH
 
     # -- 4. the switch at the commit step (training thread) ----------------------------
 
-    def switch(self, step: int) -> Literal["left", "switched"]:
-        """Phase 2 at the boundary after `step`, for a leaver or a stayer."""
+    def switch(self, step: int) -> Literal["left", "switched", "not agreed"]:
+        """Phase 2 at the boundary after `step`, for a leaver or a stayer, once every
+        committer took it ("not agreed": nothing changed, the boundary is crossed anew)."""
         core = self.core
         mig = core.accepted.planned
         assert mig is not None and core.state is not None
+        if not self._agreed(mig, step):
+            return "not agreed"
         t_start = time.time()
         built = _builder(mig).wait(core.timeout_s)
         if mig.part == "leaver":
@@ -164,9 +209,23 @@ class PlannedSwitch:
         core = self.core
         mig = core.accepted.planned
         assert mig is not None and core.state is not None
-        with core.cond:
-            core.cond.wait_for(lambda: core.accepted.join(mig) != "wait")
-            outcome = core.accepted.join(mig)
+        while True:
+            with core.cond:
+                core.cond.wait_for(lambda: core.accepted.join(mig) != "wait")
+                outcome, step = core.accepted.join(mig), mig.commit_step
+            if outcome != "commit":
+                break
+            assert step is not None
+            if self._agreed(mig, step):
+                break
+            with core.cond:  # k was not agreed: a recovery or a stop ends the wait
+                if core.accepted.recovering is not None:
+                    outcome = "superseded"
+                elif core.accepted.stopped:
+                    outcome = "stopped"
+                else:
+                    continue  # k dropped or replaced: wait for the next commit
+            break
         if outcome == "superseded":
             return False
         if outcome == "stopped":

@@ -466,6 +466,7 @@ class Runtime:
                     epoch=self.signal.epoch,
                     aborted=self.signal.is_set(),
                     digest=self._state.digest() if msg.digest and self._state else "",
+                    passed=accepted.passed,
                 )
             else:
                 raise ValueError(f"unexpected request {msg.TYPE}")

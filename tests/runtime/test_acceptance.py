@@ -204,6 +204,45 @@ def test_accepted_commit_records_the_switch_step() -> None:
     assert mig.commit_step == 6
 
 
+def test_commit_retry_of_the_same_step_is_answered_as_before() -> None:
+    acc = rank("m1")
+    mig = prepared(acc, plan(), FakeBuild(done=True))
+    first = acc.commit("p1", 6)
+    assert (first.accepted, first.retry, first.part) == (True, False, "stayer")
+    acc.at_boundary(6, aborted=False)  # even once the rank stands at k
+    again = acc.commit("p1", 6)
+    assert (again.accepted, again.retry) == (True, True)
+    assert mig.commit_step == 6
+
+
+def test_a_refusal_names_the_part_of_a_known_plan_only() -> None:
+    acc = rank("m0")
+    prepared(acc, plan(), FakeBuild())
+    assert acc.commit("p1", 5).part == "leaver"  # not ready
+    assert acc.commit("p9", 5).part is None
+
+
+def test_a_dropped_switch_step_is_forgotten_and_the_rank_trains_past_it() -> None:
+    acc = rank("m0")
+    mig = prepared(acc, plan(), FakeBuild(done=True))
+    acc.commit("p1", 5)
+    assert acc.at_boundary(5, aborted=False) == "switch"
+    acc.dropped(mig, 5)
+    assert mig.commit_step is None
+    assert acc.at_boundary(5, aborted=False) == "train"
+    assert acc.commit("p1", 5).reason == "too late"
+    assert acc.commit("p1", 8).accepted and mig.commit_step == 8
+
+
+def test_dropping_an_older_step_keeps_the_one_that_replaced_it() -> None:
+    acc = rank("s0", role=False)
+    mig = prepared(acc, plan(), FakeBuild(done=True))
+    acc.commit("p1", 5)
+    acc.commit("p1", 9)  # the next round's k reached the joiner before it read k's drop
+    acc.dropped(mig, 5)
+    assert mig.commit_step == 9 and acc.join(mig) == "commit"
+
+
 # -- boundaries --------------------------------------------------------------------------
 
 
