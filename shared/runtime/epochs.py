@@ -186,6 +186,11 @@ class VoteEpochs:
         )
         self.abort(f"collective error in {error.group}")
 
+    def leave(self) -> None:
+        """This rank hands its role over: its progress-board entry goes with it."""
+        if self.stalls is not None:
+            self.stalls.board.leave()
+
     def close(self) -> None:
         if self.agreement is not None:
             self.agreement.close()

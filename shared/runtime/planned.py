@@ -42,10 +42,14 @@ def transfer_group(built: list[Group]) -> Group:
 class PlannedSwitch:
     """Phase 1, commit and phase 2 of planned migrations for one rank."""
 
-    def __init__(self, core: Core, new_epoch: Callable[[str, int], None]):
+    def __init__(
+        self, core: Core, new_epoch: Callable[[str, int], None], leave: Callable[[], None]
+    ):
         self.core = core
         #: Starts vote epoch (id, committed step): a joiner's, once it has the state.
         self._new_epoch = new_epoch
+        #: Takes a leaver's entry off the progress board as it hands its role over.
+        self._leave = leave
 
     # -- 1. phase 1 (control thread) ---------------------------------------------------
 
@@ -166,6 +170,7 @@ class PlannedSwitch:
         t_start = time.time()
         built = _builder(mig).wait(core.timeout_s)
         if mig.part == "leaver":
+            self._leave()
             transfer = transfer_group(built)
             stats = core.state.send(transfer, peer=1, extra={"epoch": core.signal.epoch})
             transfer.shutdown()

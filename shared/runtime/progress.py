@@ -166,13 +166,27 @@ class ProgressBoard:
         self._lock = threading.Lock()  # one store client, two threads
         self._counter = 0
         self._closed = threading.Event()
-        threading.Thread(target=self._beat, name="progress-beacon", daemon=True).start()
+        self._beacon = threading.Thread(target=self._beat, name="progress-beacon", daemon=True)
+        self._beacon.start()
 
     def key(self, rank: int) -> str:
         return f"{self.job}/progress/{rank}"
 
     def close(self) -> None:
         self._closed.set()
+
+    def leave(self) -> None:
+        """This rank hands its role over (a leaver at its switch): its entry goes, or
+        its peers, waiting for the joiner's first step, would judge the stopped beacon
+        silent and name the leaver's machine. Until the joiner writes the entry anew
+        nobody is judged for that rank."""
+        self._closed.set()
+        self._beacon.join(self.interval_s * 4)
+        try:
+            with self._lock:
+                self._store.delete_key(self.key(self.rank))
+        except RuntimeError:
+            pass  # the store is away: nobody reads the board meanwhile either
 
     def _beat(self) -> None:
         while not self._closed.is_set():

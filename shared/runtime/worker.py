@@ -120,7 +120,7 @@ class Runtime:
         )
         self._cond = self._core.cond
         self._votes = VoteEpochs(self._core)
-        self._planned = PlannedSwitch(self._core, self._votes.new_epoch)
+        self._planned = PlannedSwitch(self._core, self._votes.new_epoch, self._votes.leave)
         self._recovery = FailureRecovery(self._core, self._votes.new_epoch, self._votes.abort)
         self.torch.new_world = self._votes.new_world
         self._conn = self._core.conn = c.Connection(

@@ -169,6 +169,26 @@ def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
             board.close()
 
 
+def test_a_leaver_that_handed_its_role_over_is_not_judged() -> None:
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    address = f"127.0.0.1:{host.port}"
+    boards = [ProgressBoard(address, "j", r, 2, f"m{r}", interval_s=0.05) for r in range(2)]
+    try:
+        for board in boards:
+            board.progress.epoch, board.progress.step, board.progress.done = "e0", 5, 2
+        boards[0].progress.voted = 5
+        while boards[0].read()[1] is None:  # the leaver's entry is up
+            time.sleep(boards[0].interval_s)
+        boards[1].leave()  # at its switch: its joiner has not written the entry yet
+        assert boards[0].read()[1] is None
+        first = boards[0].read()
+        time.sleep(2 * boards[0].interval_s)  # the judge's two reads, apart
+        assert boards[0].examine("e0", 5, first, waited_s=3.0, median_step_s=0.1) is None
+    finally:
+        for board in boards:
+            board.close()
+
+
 def test_waits_are_seen_from_another_thread() -> None:
     me = threading.get_ident()
     assert not WAITS.is_waiting(me)
