@@ -305,7 +305,10 @@ def _parser() -> argparse.ArgumentParser:
     dm = sub.add_parser("demo", help="the main job on the embedded default, with migrations")
     dm.add_argument("--json", metavar="FILE", help="write the report as JSON")
     dm.add_argument(
-        "--steps", type=int, help="training steps of the job (default 600; --example ddp 3000)"
+        "--steps",
+        type=int,
+        help="the most steps the job trains (default 600; --example ddp 3000); it ends a few "
+        "steps after its last migration",
     )
     dm.add_argument("--workdir", help="where runs and logs go (default: temporary)")
     dm.add_argument("--example", help="run examples/NAME instead of the reference job (ddp)")

@@ -20,7 +20,14 @@ from nats.aio.msg import Msg
 
 from trainmover import bus
 from trainmover.client import TrainMoverClient
-from trainmover.messages import ClusterState, Heartbeat, StepStats, decode
+from trainmover.messages import (
+    ClusterState,
+    Command,
+    CommandOp,
+    Heartbeat,
+    StepStats,
+    decode,
+)
 from trainmover.runtime.compare import mismatches, state_files
 from trainmover.runtime.config import JobConfig, save_config
 from trainmover.security.credentials import NatsAuth, from_file
@@ -192,6 +199,45 @@ class LocalCluster:
         finally:
             await sub.unsubscribe()
         return sorted(machines)
+
+    async def _each_active(self, op: CommandOp, step: int, timeout: float) -> list[str]:
+        """`op` at `step` to every active machine once no migration is in flight; the
+        machines, or the first refusal (RuntimeError naming machine and reason)."""
+        state = await self.wait_state(lambda s: not s.in_flight, timeout)
+        machines = sorted(n for n, m in state.machines.items() if m.status == "active")
+
+        async def one(machine: str) -> None:
+            args = {"step": step, "timeout_s": timeout}
+            command = Command(job=self.job, machine=machine, op=op, args=args)
+            reply = await bus.request(self.nc, command, timeout=10.0, deadline_s=timeout)
+            if not reply.ok:
+                raise RuntimeError(f"{op} at step {step} on {machine}: {reply.error}")
+
+        await asyncio.gather(*(one(m) for m in machines))
+        return machines
+
+    async def finish_soon(self, timeout: float, margin: int = 30) -> tuple[int, list[str]]:
+        """Ends the job ahead of its last step: every active machine is held at a step a
+        little past the furthest one reported (`margin` steps, rounded up to a multiple
+        of 10, never past the job's last step; a later one when a rank turns out to be
+        past it: the step statistics lag the training), then finishes there. Returns
+        that step and the machines, once their workers exited cleanly."""
+        lead = margin
+        while True:
+            ahead = -(-(max(self.steps.values(), default=0) + lead) // 10) * 10
+            step = min(ahead, self.config.train.steps)
+            try:
+                await self._each_active("hold", step, timeout)
+                break
+            except RuntimeError as err:
+                if "already past" not in str(err) or lead >= 8 * margin:
+                    raise
+                lead *= 2  # the held machines are released by the next, higher step
+        machines = await self._each_active("finish", step, timeout)
+        finished = await self.wait_finished(timeout)
+        if finished != machines:
+            raise RuntimeError(f"finished {finished}, active were {machines}")
+        return step, finished
 
     async def worker_pids(self, machine: str, timeout: float) -> list[int]:
         """The pids of `machine`'s workers, from its next heartbeat with all of them

@@ -271,6 +271,8 @@ CommandOp = Literal[
     "slow",
     "block",
     "fence",
+    "hold",
+    "finish",
 ]
 
 

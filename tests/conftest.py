@@ -22,8 +22,9 @@ from trainmover.subjects import STATE_KEY
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-#: Shared fixtures cheap enough for every stream to build its own.
-_PER_STREAM = frozenset({"nats_server", "tmp_path_factory", "event_loop_policy"})
+#: Shared fixtures cheap enough for every stream to build its own (the e2e references
+#: run lazily, to the step a test asks for).
+_PER_STREAM = frozenset({"nats_server", "tmp_path_factory", "event_loop_policy", "references"})
 
 
 def _shared_fixtures(item: pytest.Item) -> list[str]:
@@ -36,12 +37,7 @@ def _shared_fixtures(item: pytest.Item) -> list[str]:
         scope = defs[-1].scope
         if name in _PER_STREAM or scope not in ("session", "module"):
             continue
-        if name == "references":
-            # One reference run per distinct training: the job's layout tells them apart
-            # (tests/e2e/conftest.py), so each layout's tests can run in their own stream.
-            config = getattr(item, "callspec", None) and item.callspec.params.get("config")
-            names.append(f"references-tp{config.layout.tp if config is not None else 2}")
-        elif scope == "module":
+        if scope == "module":
             names.append(f"{item.module.__name__}:{name}")
         else:
             names.append(name)

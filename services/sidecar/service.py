@@ -340,6 +340,10 @@ class Sidecar:
         if op == "block":  # fault injection: one worker deadlocks in a collective
             group, local_rank = str(command.args["group"]), int(command.args.get("local_rank", 0))
             return await asyncio.to_thread(w.block, group, local_rank)
+        if op == "hold":  # train up to this step and wait there
+            return await asyncio.to_thread(w.hold_at, int(command.args["step"]))
+        if op == "finish":  # the job ends after this step on every machine
+            return await asyncio.to_thread(w.finish_at, int(command.args["step"]), timeout)
         plan = _plan_arg(command)
         if op == "prepare":
             if any(m.leaver == self.machine for m in plan.moves):

@@ -299,6 +299,32 @@ class MachineWorkers:
             self.control.request(ref, c.Block(group=group), self.timeout_s)
         return {"ranks": len(refs), "group": group}
 
+    def hold_at(self, step: int, last: bool = False) -> dict[str, object]:
+        """Lets this machine's ranks train up to `step` and hold there (a later, higher
+        step releases them). With `last`, the job ends there instead: they finish after
+        `step` (saving their state if the config dumps the last step). Refused, naming
+        the ranks, when a rank here has already left the boundary after `step`. (A
+        standby's workers take the step too; they train none until they join.)"""
+        refs = self.tracker.live()
+        past = {}
+        for ref in refs:
+            try:
+                self.control.request(ref, c.Advance(limit=step, last=last), self.timeout_s)
+            except c.RemoteError as err:
+                past[str(ref)] = str(err)
+        if past:
+            raise ValueError(f"hold at step {step}: ranks already past it: {past}")
+        return {"ranks": len(refs), "step": step}
+
+    def finish_at(self, step: int, timeout_s: float) -> dict[str, object]:
+        """Ends training on this machine after `step`, ahead of the job's last step, and
+        returns once its workers exited. Every active machine of the job must get the
+        same step, each held at or before it first (`hold_at`): a rank that committed it
+        then needs no peer any more, since every rank voted for it."""
+        result = self.hold_at(step, last=True)
+        self.wait_exited(timeout_s)
+        return result
+
     def wait_exited(self, timeout_s: float) -> None:
         """Until every worker process of this machine is gone (a leaver after its switch:
         interpreter teardown with torch takes seconds, off the critical path)."""

@@ -58,10 +58,13 @@ class Commit(Message):
 
 
 class Advance(Message):
-    """Allow steps up to and including `limit` (a rank waits at the boundary after it)."""
+    """Allow steps up to and including `limit` (a rank waits at the boundary after it).
+    `last`: the job ends after `limit` instead of its configured last step (a rank
+    finishes there, saving its state if the config dumps the last one)."""
 
     TYPE: ClassVar[str] = "advance"
     limit: int
+    last: bool = False
 
 
 class Status(Message):

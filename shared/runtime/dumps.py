@@ -13,10 +13,13 @@ from __future__ import annotations
 from trainmover.runtime.core import Core
 
 
-def maybe_dump(core: Core, step: int) -> None:
-    """Saves the state after `step` if the config asks for it (once per role and step)."""
-    role, state = core.accepted.role, core.state
-    if not core.config.train.dumps_at(step) or state is None or role is None:
+def maybe_dump(core: Core, step: int, last: bool = False) -> None:
+    """Saves the state after `step` if the config asks for it (once per role and step).
+    A job whose end was brought forward (`last`: `step` is its last step now) saves it
+    where the config saves its configured last step."""
+    role, state, train = core.accepted.role, core.state, core.config.train
+    wanted = train.dumps_at(step) or (last and train.dumps_at(train.steps))
+    if not wanted or state is None or role is None:
         return
     if core.replica_state_at == step:
         core.log.info("dump_skipped", step=step, reason="state from a DP replica")

@@ -340,7 +340,7 @@ class Runtime:
             if action == "finish":
                 if self._orphaned:
                     raise SupervisorGone("control connection closed")
-                dumps.maybe_dump(self._core, step)
+                dumps.maybe_dump(self._core, step, last=step == accepted.total_steps)
                 return False
             if self._planned.switch(step) == "left":
                 self._exit_reason = "left"
@@ -444,7 +444,13 @@ class Runtime:
                 self._cond.notify_all()
                 return c.Ack()
             if isinstance(msg, c.Advance):
+                if msg.last and accepted.passed >= msg.limit:
+                    raise ValueError(
+                        f"last step {msg.limit}: already past it (at step {accepted.passed + 1})"
+                    )
                 accepted.limit = msg.limit
+                if msg.last:  # brought forward, never put back
+                    accepted.total_steps = min(accepted.total_steps, msg.limit)
             elif isinstance(msg, c.Stop):
                 accepted.stopped = True
             elif isinstance(msg, c.Slow):

@@ -3,13 +3,16 @@
 `cluster` is a `LocalCluster` (the stack of `trainmover up`: embedded nats-server,
 planner, executor, health-monitor, one sidecar per machine with real worker processes)
 for a TP2 x PP2 x DP2 job on 4 machines of 2 ranks plus 2 standbys (`config`; a test
-may choose another). `reference` is the same training run without any migration, for the
-bit-exact check: one run per session serves every job that trains the same.
+may choose another). A test ends its job soon after its last fault
+(`cluster.finish_soon`) and compares with `reference(step)`: the same training run
+without any migration, to that step, for the bit-exact check.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,8 @@ CONFIG = JobConfig(job="e2e").with_updates(
 )
 
 #: A longer job with three standbys and no return from maintenance, for tests that make
-#: several migrations in a row (one reference run serves them all).
+#: several migrations in a row. (Each test ends its job soon after its last fault: the
+#: lengths here are upper bounds.)
 LONG_STEPS = 400
 LONG = CONFIG.with_updates(
     train={"steps": LONG_STEPS, "dump_steps": [LONG_STEPS]},
@@ -51,9 +55,6 @@ TP1_LONG = LONG.with_updates(
 #: For a test that slows every machine down per step itself (the bus cluster's).
 TP1_SLOWED = LONG.with_updates(layout={"tp": 1})
 
-#: Every job the e2e tests run: one reference run per distinct training covers them all.
-JOBS = (CONFIG, LONG, TP1, TP1_LONG, TP1_SLOWED)
-
 
 def _training(config: JobConfig) -> str:
     """What decides a job's trained state: everything but its length, its dumps and its
@@ -64,32 +65,45 @@ def _training(config: JobConfig) -> str:
     ).model_dump_json()
 
 
-@pytest.fixture(scope="session")
-def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[JobConfig], dict[str, Path]]:
-    """Uninterrupted runs' final states by role: one run per distinct training, to the
-    longest of its `JOBS`, saving after each one's last step."""
-    runs: dict[str, tuple[Path, set[int]]] = {}
+Reference = Callable[[int], Awaitable[dict[str, Path]]]
+"""The uninterrupted run's saved states by role after a step (`reference(step)`)."""
 
-    def reference_for(config: JobConfig) -> dict[str, Path]:
-        key, step = _training(config), config.train.steps
-        if key not in runs or step not in runs[key][1]:
-            run_dir = tmp_path_factory.mktemp("reference")
-            ends = {c.train.steps for c in JOBS if _training(c) == key} | {step}
-            run = config.with_updates(train={"steps": max(ends), "dump_steps": sorted(ends)})
-            with LocalJob.launch(run, run_dir, standbys=0, timeout_s=WAIT_S) as job:
-                job.finish(WAIT_S)
-            runs[key] = (run_dir, ends)
-        return state_files(runs[key][0], step)
+
+@pytest.fixture(scope="session")
+def references(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[JobConfig, int], dict[str, Path]]:
+    """Uninterrupted runs' states by role after a step: one run per distinct training and
+    step, to that step only. A test ends its job soon after its last fault
+    (`LocalCluster.finish_soon`) and asks for the reference of that step afterwards."""
+    runs: dict[tuple[str, int], Path] = {}
+    lock = threading.Lock()
+
+    def reference_for(config: JobConfig, step: int) -> dict[str, Path]:
+        key = (_training(config), step)
+        with lock:
+            if key not in runs:
+                run_dir = tmp_path_factory.mktemp("reference")
+                run = config.with_updates(train={"steps": step, "dump_steps": [step]})
+                with LocalJob.launch(run, run_dir, standbys=0, timeout_s=WAIT_S) as job:
+                    job.finish(WAIT_S)
+                runs[key] = run_dir
+        return state_files(runs[key], step)
 
     return reference_for
 
 
 @pytest.fixture
 def reference(
-    references: Callable[[JobConfig], dict[str, Path]], config: JobConfig
-) -> dict[str, Path]:
-    """The uninterrupted run of the test's job config (`config`)."""
-    return references(config)
+    references: Callable[[JobConfig, int], dict[str, Path]], config: JobConfig
+) -> Reference:
+    """The uninterrupted run of the test's job config (`config`) after a step, run in a
+    thread (it takes a while; the cluster's bus client keeps being served meanwhile)."""
+
+    async def after(step: int) -> dict[str, Path]:
+        return await asyncio.to_thread(references, config, step)
+
+    return after
 
 
 @pytest.fixture
@@ -99,14 +113,7 @@ def config() -> JobConfig:
 
 
 @pytest.fixture
-async def cluster(
-    tmp_path: Path, config: JobConfig, request: pytest.FixtureRequest
-) -> AsyncIterator[LocalCluster]:
-    # The reference, for a test that compares with it, first: its run blocks the event
-    # loop for minutes, and a cluster started before it would train to its end
-    # unobserved (the bus dropping its stats). A test that does not compare runs none.
-    if "reference" in request.fixturenames:
-        request.getfixturevalue("reference")
+async def cluster(tmp_path: Path, config: JobConfig) -> AsyncIterator[LocalCluster]:
     async with LocalCluster(config, tmp_path) as running:
         yield running
 

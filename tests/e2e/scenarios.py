@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from nats.js.api import DeliverPolicy
 
-from tests.e2e.conftest import WAIT_S, progress_reaches
+from tests.e2e.conftest import WAIT_S, Reference, progress_reaches
 from trainmover import bus
 from trainmover.localcluster import LocalCluster
 from trainmover.messages import Command, DrainEvent, MigrationProgress, decode, decode_event
@@ -57,14 +56,14 @@ async def assert_each_once(cluster: LocalCluster, event_ids: list[str]) -> None:
 
 async def drain_through_fault(
     cluster: LocalCluster,
-    reference: dict[str, Path],
+    reference: Reference,
     fault: Callable[[], Awaitable[None]],
     repair: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """A drain of m1 in phase 1 and a second drain (of m2) just acked when `fault` hits
     the bus: both migrations complete (then `repair` runs), each event is decided
     exactly once, a retried publish is a duplicate, and training ends bit-identical to
-    `reference`. The job's drained machines must stay in maintenance, so that the second
+    `reference` at the step it ends. The job's drained machines must stay in maintenance, so that the second
     drain's joiner is s1."""
     assert cluster.config.cluster.maintenance_s > WAIT_S, "m1 would return as a standby"
     subjects = JobSubjects(cluster.job)
@@ -114,5 +113,6 @@ async def drain_through_fault(
 
     await assert_each_once(cluster, [first, second.event_id])
 
-    assert await cluster.wait_finished(WAIT_S) == ["m0", "m3", "s0", "s1"]
-    assert cluster.mismatches(reference) == []
+    step, finished = await cluster.finish_soon(WAIT_S)
+    assert finished == ["m0", "m3", "s0", "s1"]
+    assert cluster.mismatches(await reference(step), step) == []

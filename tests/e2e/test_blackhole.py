@@ -69,10 +69,10 @@ async def test_a_machine_cut_off_and_one_stuck_are_named_and_moved(
         )
         assert back.machines["m1"].cell is None or second.joiner == "m1"
 
-        finished = await cluster.wait_finished(WAIT_S)
+        step, finished = await cluster.finish_soon(WAIT_S)
         assert "m2" not in finished and {moved.joiner, second.joiner} <= set(finished)
         assert "m1" not in finished or second.joiner == "m1"
-        assert cluster.mismatches(reference) == []
+        assert cluster.mismatches(await reference(step), step) == []
 
 
 async def _failure_of(items, machine: str) -> FailureEvent:  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TP1_SLOWED, WAIT_S, progress_reaches
+from tests.e2e.conftest import TP1_SLOWED, WAIT_S, Reference, progress_reaches
 from tests.e2e.scenarios import assert_each_once, stream_messages
 from trainmover import bus
 from trainmover.localcluster import FAST_SIGNALS, LocalCluster
@@ -37,9 +37,7 @@ REPORTERS = ("planner", "executor", "health-monitor", "sidecar-m3")
 
 
 @pytest.fixture
-async def on_bus_cluster(
-    tmp_path: Path, config: JobConfig, reference: dict[str, Path]
-) -> AsyncIterator[LocalCluster]:
+async def on_bus_cluster(tmp_path: Path, config: JobConfig) -> AsyncIterator[LocalCluster]:
     # The slow-down below is the same on every active machine but not on a joiner until
     # its move is done: no straggler detection here (this test is about the bus).
     monitor = [*FAST_SIGNALS["health-monitor"], "--straggler-factor", "1000"]
@@ -100,7 +98,7 @@ async def _logged(logs: Path, event: str, before: dict[str, int]) -> None:
 
 
 async def test_bus_cluster_faults_lose_nothing(
-    on_bus_cluster: LocalCluster, reference: dict[str, Path]
+    on_bus_cluster: LocalCluster, reference: Reference
 ) -> None:
     cluster = on_bus_cluster
     servers = cluster.stack.bus_cluster()
@@ -158,8 +156,9 @@ async def test_bus_cluster_faults_lose_nothing(
     await assert_each_once(cluster, drained)
 
     await _slow(cluster, ["m3", "s0", "s1", "s2"], 0.0)
-    assert await cluster.wait_finished(WAIT_S) == ["m3", "s0", "s1", "s2"]
-    assert cluster.mismatches(reference) == []
+    step, finished = await cluster.finish_soon(WAIT_S)
+    assert finished == ["m3", "s0", "s1", "s2"]
+    assert cluster.mismatches(await reference(step), step) == []
 
 
 @pytest.fixture

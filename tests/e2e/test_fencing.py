@@ -53,6 +53,6 @@ async def test_a_falsely_failed_machine_is_fenced_and_returns_as_a_standby(
     assert _holders(back) == sorted((c.dp, c.pp) for c in layout.cells())
 
     # Only the four role holders finish training; the result is as if nothing happened.
-    finished = await cluster.wait_finished(WAIT_S)
+    step, finished = await cluster.finish_soon(WAIT_S)
     assert "m2" not in finished and joiner in finished and len(finished) == 4
-    assert cluster.mismatches(reference) == []
+    assert cluster.mismatches(await reference(step), step) == []

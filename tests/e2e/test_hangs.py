@@ -100,11 +100,11 @@ async def test_frozen_stuck_and_blocked_machines_are_named_and_moved(
     last = await cluster.client.wait_for_migration(cluster.job, third.event_id, WAIT_S)
     assert last.state == "done" and last.leaver == "m3", last.detail
 
-    finished = await cluster.wait_finished(WAIT_S)
+    step, finished = await cluster.finish_soon(WAIT_S)
     joiners = {done.joiner, moved.joiner, last.joiner}
     # A fenced machine may come back as a fresh standby and take a later role.
     assert joiners <= set(finished) and {"m1", "m2", "m3"} & set(finished) <= joiners
-    assert cluster.mismatches(reference) == []
+    assert cluster.mismatches(await reference(step), step) == []
 
 
 async def _failure_of(items: AsyncIterator[object], machine: str) -> FailureEvent:
