@@ -68,6 +68,9 @@ CONFIG = JobConfig(job="runtime-test").with_updates(
     runtime={"group_timeout_s": 60, "failure_timeout_s": 60},
 )
 
+#: The smallest job with a DP replica: two machines of one rank (1 x 1 x 2).
+DP2 = CONFIG.with_updates(layout={"tp": 1, "pp": 1, "dp": 2}, cluster={"machines": ["m0", "m1"]})
+
 #: (machine, step, point) of each SIGKILL in `failure_run`, in order. Each later victim's
 #: replica is an earlier joiner, so recovery is also exercised from recovered machines.
 FAULTS = [

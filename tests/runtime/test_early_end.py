@@ -12,16 +12,12 @@ import pytest
 from trainmover.runtime import control as c
 from trainmover.runtime.driver import LocalJob
 
-from .conftest import CONFIG, WAIT_S
+from .conftest import DP2, WAIT_S
 
 pytestmark = pytest.mark.timeout(300)
 
 HELD, LAST, STEPS = 4, 6, 50
-EARLY_CONFIG = CONFIG.with_updates(
-    layout={"tp": 1, "pp": 1, "dp": 2},
-    cluster={"machines": ["m0", "m1"]},
-    train={"steps": STEPS, "dump_steps": [STEPS]},
-)
+EARLY_CONFIG = DP2.with_updates(train={"steps": STEPS, "dump_steps": [STEPS]})
 
 
 def test_a_job_ended_early_finishes_every_rank_there_with_its_last_dump(tmp_path: Path) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -144,13 +146,30 @@ def test_the_judge_reads_ahead_so_its_verdict_falls_on_the_threshold(monkeypatch
     assert board.claims[-1] == ("e0", 7, 2)
 
 
-def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
+@contextlib.contextmanager
+def _boards(world: int) -> Iterator[list[ProgressBoard]]:
+    """`world` ranks' beacons on a real store, each in step 5 of epoch e0."""
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
     address = f"127.0.0.1:{host.port}"
-    boards = [ProgressBoard(address, "j", r, 3, f"m{r}", interval_s=0.05) for r in range(3)]
+    boards = [ProgressBoard(address, "j", r, world, f"m{r}", interval_s=0.05) for r in range(world)]
+    for board in boards:
+        board.progress.epoch, board.progress.step = "e0", 5
     try:
+        yield boards
+    finally:
         for board in boards:
-            board.progress.epoch, board.progress.step = "e0", 5
+            board.close()
+
+
+def _until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
+        time.sleep(0.01)
+
+
+def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
+    with _boards(3) as boards:
         boards[0].progress.voted = 5
         boards[2].progress.done = 2  # past its first step: judged as computing
         boards[1].close()  # a stopped process: its entry stays as it was
@@ -164,29 +183,19 @@ def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
         assert "did not reach the vote of step 5" in stall.reason
         # One rank judges a step: the first claim wins.
         assert boards[0].claim("e0", 5, 1) and not boards[2].claim("e0", 5, 1)
-    finally:
-        for board in boards:
-            board.close()
 
 
 def test_a_leaver_that_handed_its_role_over_is_not_judged() -> None:
-    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
-    address = f"127.0.0.1:{host.port}"
-    boards = [ProgressBoard(address, "j", r, 2, f"m{r}", interval_s=0.05) for r in range(2)]
-    try:
+    with _boards(2) as boards:
         for board in boards:
-            board.progress.epoch, board.progress.step, board.progress.done = "e0", 5, 2
+            board.progress.done = 2
         boards[0].progress.voted = 5
-        while boards[0].read()[1] is None:  # the leaver's entry is up
-            time.sleep(boards[0].interval_s)
+        _until(lambda: boards[0].read()[1] is not None, "entry of the leaver")
         boards[1].leave()  # at its switch: its joiner has not written the entry yet
         assert boards[0].read()[1] is None
         first = boards[0].read()
         time.sleep(2 * boards[0].interval_s)  # the judge's two reads, apart
         assert boards[0].examine("e0", 5, first, waited_s=3.0, median_step_s=0.1) is None
-    finally:
-        for board in boards:
-            board.close()
 
 
 def test_waits_are_seen_from_another_thread() -> None:

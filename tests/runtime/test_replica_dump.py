@@ -14,7 +14,7 @@ import pytest
 
 from trainmover.runtime.driver import LocalJob
 
-from .conftest import CONFIG, WAIT_S
+from .conftest import DP2, WAIT_S
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,11 +24,7 @@ DUMP, STEPS = 4, 8
 def test_the_step_a_joiner_took_from_a_replica_is_saved_by_the_leaver_only(
     tmp_path: Path,
 ) -> None:
-    config = CONFIG.with_updates(
-        layout={"tp": 1, "pp": 1, "dp": 2},
-        cluster={"machines": ["m0", "m1"]},
-        train={"steps": STEPS, "dump_steps": [DUMP, STEPS]},
-    )
+    config = DP2.with_updates(train={"steps": STEPS, "dump_steps": [DUMP, STEPS]})
     fault = {"TM_TEST_FAULT": f"m1@{DUMP}:after-dump"}
     with LocalJob.launch(config, tmp_path, standbys=1, timeout_s=WAIT_S, extra_env=fault) as job:
         dead, noticed = job.wait_failure(timeout_s=WAIT_S)

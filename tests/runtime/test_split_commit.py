@@ -18,16 +18,12 @@ from trainmover.runtime.driver import LocalJob
 from trainmover.runtime.plan import RankRef
 from trainmover.runtime.state import load_saved
 
-from .conftest import CONFIG, WAIT_S
+from .conftest import DP2, WAIT_S
 
 pytestmark = pytest.mark.timeout(600)
 
 K, LATER, STEPS = 5, 8, 11
-SPLIT_CONFIG = CONFIG.with_updates(
-    layout={"tp": 1, "pp": 1, "dp": 2},
-    cluster={"machines": ["m0", "m1"]},
-    train={"steps": STEPS, "dump_steps": [STEPS]},
-)
+SPLIT_CONFIG = DP2.with_updates(train={"steps": STEPS, "dump_steps": [STEPS]})
 
 
 def _wait_passed(job: LocalJob, ref: RankRef, step: int) -> None:
