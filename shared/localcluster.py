@@ -79,6 +79,9 @@ class LocalCluster:
             machine_wrap=machine_wrap,
         )
         self.steps: dict[str, int] = {}
+        #: machine -> step -> when its sidecar stamped that step's statistics (a step
+        #: re-executed after a recovery keeps its later stamp).
+        self.step_ts: dict[str, dict[int, float]] = {}
         self._stepped = asyncio.Condition()
         self._nc: NatsClient | None = None
         self._client: TrainMoverClient | None = None
@@ -132,6 +135,7 @@ class LocalCluster:
         stats = decode(StepStats, msg.data)
         async with self._stepped:
             self.steps[stats.machine] = max(self.steps.get(stats.machine, -1), stats.step)
+            self.step_ts.setdefault(stats.machine, {})[stats.step] = stats.ts
             self._stepped.notify_all()
 
     # --- waits -----------------------------------------------------------------------------
@@ -142,6 +146,20 @@ class LocalCluster:
             await asyncio.wait_for(
                 self._stepped.wait_for(lambda: self.steps.get(machine, -1) >= step), timeout
             )
+
+    async def wait_step_after(self, machine: str, t: float, timeout: float) -> tuple[int, float]:
+        """Until `machine` reported a step stamped after `t`; returns the first such
+        (step, stamp)."""
+
+        def first() -> tuple[int, float] | None:
+            after = [(ts, s) for s, ts in self.step_ts.get(machine, {}).items() if ts > t]
+            return (min(after)[1], min(after)[0]) if after else None
+
+        async with self._stepped:
+            await asyncio.wait_for(self._stepped.wait_for(lambda: first() is not None), timeout)
+        found = first()
+        assert found is not None
+        return found
 
     async def wait_state(
         self, predicate: Callable[[ClusterState], bool], timeout: float
@@ -216,23 +234,32 @@ class LocalCluster:
         await asyncio.gather(*(one(m) for m in machines))
         return machines
 
-    async def finish_soon(self, timeout: float, margin: int = 30) -> tuple[int, list[str]]:
-        """Ends the job ahead of its last step: every active machine is held at a step a
-        little past the furthest one reported (`margin` steps, rounded up to a multiple
-        of 10, never past the job's last step; a later one when a rank turns out to be
-        past it: the step statistics lag the training), then finishes there. Returns
-        that step and the machines, once their workers exited cleanly."""
+    async def hold(self, timeout: float, margin: int = 30) -> int:
+        """Holds every active machine at a step a little past the furthest one reported
+        (`margin` steps, rounded up to a multiple of 10, never past the job's last step;
+        a later one when a rank turns out to be past it: the step statistics lag the
+        training). Returns that step; `release` (or a later hold) lets them go on."""
         lead = margin
         while True:
             ahead = -(-(max(self.steps.values(), default=0) + lead) // 10) * 10
             step = min(ahead, self.config.train.steps)
             try:
                 await self._each_active("hold", step, timeout)
-                break
+                return step
             except RuntimeError as err:
                 if "already past" not in str(err) or lead >= 8 * margin:
                     raise
                 lead *= 2  # the held machines are released by the next, higher step
+
+    async def release(self, timeout: float) -> None:
+        """Lets every active machine train on to the job's last step (after `hold`)."""
+        await self._each_active("hold", self.config.train.steps, timeout)
+
+    async def finish_soon(self, timeout: float, margin: int = 30) -> tuple[int, list[str]]:
+        """Ends the job ahead of its last step: every active machine is held (`hold`),
+        then finishes there. Returns that step and the machines, once their workers
+        exited cleanly."""
+        step = await self.hold(timeout, margin)
         machines = await self._each_active("finish", step, timeout)
         finished = await self.wait_finished(timeout)
         if finished != machines:

@@ -2,6 +2,13 @@
 failure, TrainMover vs its ablations vs checkpoint-restart (torchrun) vs torchft, on the
 same job, repetitions alternating between systems in one invocation.
 
+TrainMover's rows (`trainmover.*`, `"control_plane": "services"`) come from the product
+path: the whole system of `trainmover up`, a drain through the client and a SIGKILL of
+a machine that the system detects by itself (`services_runs`). The runtime floor and
+the ablations (`runtime_floor.*`, `ablations.*`, `"control_plane": "runtime"`) drive
+the worker runtime alone (`trainmover_runs`): what the protocol costs without the
+services' round trips, and what each of its parts saves.
+
 Only one system trains at a time (the others are held or not running), so they do not
 steal each other's CPU on these shared cores. Output: --json FILE, FILE.md, FILE.png.
 """
@@ -28,16 +35,20 @@ from trainmover.bench.report import (
     ratio,
     successes,
 )
+from trainmover.bench.services_runs import CONTROL_PLANE, ServicesJob
 from trainmover.bench.settings import add_job_arguments, config_from_args, harness_timeout_s
 from trainmover.bench.trainmover_runs import VARIANTS, TrainMoverJob
 
-#: JSON key of each TrainMover variant's planned downtime.
+#: JSON key of each planned row kind (raw rows under "runs").
 VARIANT_KEYS = {
-    "delta": "trainmover",
-    "full_rebuild": "ablations.full_rebuild",
-    "no_overlap": "ablations.no_overlap",
-    "no_shadow": "ablations.no_shadow",
+    "trainmover.planned": "trainmover",
+    "runtime.delta": "runtime_floor",
+    "runtime.full_rebuild": "ablations.full_rebuild",
+    "runtime.no_overlap": "ablations.no_overlap",
+    "runtime.no_shadow": "ablations.no_shadow",
 }
+#: How each summary's rows were driven.
+CONTROL_PLANES = {"trainmover": CONTROL_PLANE, "runtime_floor": "runtime", "ablations": "runtime"}
 
 
 #: The run's description, kept by `resummarize`.
@@ -78,35 +89,41 @@ def run(args: argparse.Namespace) -> Result:
         torchft_timeouts=args.torchft_timeouts,
         run_dir=str(run_dir),
     )
-    per_rep = len(VARIANTS) + 1 + 2 + len(args.torchft_timeouts)
+    per_rep = 2 + len(VARIANTS) + 2 + len(args.torchft_timeouts)
     progress = Progress("downtime", args.repeats * per_rep)
     rows: dict[str, list[Any]] = {}
 
-    def record(name: str, value: Any) -> Any:
-        rows.setdefault(name, []).append(value)
-        return value
+    def record(name: str, what: str, out: Any) -> None:
+        rows.setdefault(name, []).append(out)
+        progress.step(f"{what}: {_short(out)}")
 
-    progress.note(f"starting TrainMover's job ({config.layout.machines} machines) in {run_dir}")
-    with TrainMoverJob(config, run_dir / "trainmover", standbys=1) as tm:
+    progress.note(f"starting TrainMover ({config.layout.machines} machines, the services and "
+                  f"the runtime floor's job) in {run_dir}")  # fmt: skip
+    with (
+        ServicesJob(config, run_dir / "trainmover") as tm,
+        TrainMoverJob(config, run_dir / "runtime", standbys=1) as floor,
+    ):
         for rep in range(args.repeats):
+            tm.release()
+            for kind, event in (("planned", tm.planned), ("failure", tm.failure)):
+                steady = tm.settle(args.warm_steps)
+                record(f"trainmover.{kind}", f"rep {rep + 1} trainmover {kind}",
+                       attempt(partial(event, steady)))  # fmt: skip
+            tm.settle(0)  # the killed machine back as a warm standby before the others run
+            tm.hold()
             for variant in VARIANTS:
-                steady = tm.settle(args.warm_steps, warm=variant != "no_shadow")
-                out = attempt(partial(tm.planned, variant, steady))
-                record(f"trainmover.{variant}", out)
-                progress.step(f"rep {rep + 1} trainmover {variant}: {_short(out)}")
-            steady = tm.settle(args.warm_steps, warm=True)
-            out = attempt(partial(tm.failure, steady))
-            record("trainmover.failure", out)
-            progress.step(f"rep {rep + 1} trainmover failure: {_short(out)}")
-            # The TrainMover job is held (idle) while the baselines run.
+                steady = floor.settle(args.warm_steps, warm=variant != "no_shadow")
+                record(f"runtime.{variant}", f"rep {rep + 1} runtime {variant}",
+                       attempt(partial(floor.planned, variant, steady)))  # fmt: skip
+            floor.hold()
+            # Both TrainMover jobs are held (idle) while the baselines run.
             with ckpt_restart.TorchrunJob(config, run_dir / f"torchrun-{rep}", args.every) as ck:
                 progress.note("starting the torchrun job")
                 ck.launch()
                 for kind in ("failure", "planned"):
                     fn = ck.failure if kind == "failure" else ck.planned
-                    out = attempt(partial(fn, args.warm_steps))
-                    record(f"checkpoint_restart.{kind}", out)
-                    progress.step(f"rep {rep + 1} checkpoint-restart {kind}: {_short(out)}")
+                    record(f"checkpoint_restart.{kind}", f"rep {rep + 1} checkpoint-restart "
+                           f"{kind}", attempt(partial(fn, args.warm_steps)))  # fmt: skip
             for hb in args.torchft_timeouts:
                 out = attempt(
                     partial(
@@ -118,8 +135,8 @@ def run(args: argparse.Namespace) -> Result:
                         harness_timeout_s(config),
                     )
                 )
-                record(f"torchft.hb{hb:g}", out)
-                progress.step(f"rep {rep + 1} torchft heartbeat timeout {hb:g} s: {_short(out)}")
+                record(f"torchft.hb{hb:g}", f"rep {rep + 1} torchft heartbeat timeout {hb:g} s",
+                       out)  # fmt: skip
     summarize(result, rows, args.torchft_timeouts)
     return result
 
@@ -131,9 +148,18 @@ def _short(out: Any) -> str:
 
 
 def _phase_medians(rows: list[dict[str, Any]], key: str = "phases_s") -> dict[str, float]:
-    if not rows:
-        return {}
-    return {p: statistics.median(r[key][p] for r in rows) for p in rows[0][key]}
+    """Each phase's median over the rows that report it (in first-seen order)."""
+    names = list(dict.fromkeys(p for r in rows for p in r[key]))
+    return {
+        p: statistics.median(r[key][p] for r in rows if r[key].get(p) is not None)
+        for p in names
+        if any(r[key].get(p) is not None for r in rows)
+    }
+
+
+def _median_of(rows: list[dict[str, Any]], field: str) -> float | None:
+    values = [r[field] for r in rows if r.get(field) is not None]
+    return statistics.median(values) if values else None
 
 
 def summarize(
@@ -145,20 +171,22 @@ def summarize(
     """The issue's keys from the raw rows (kept under "runs"), for the planned `variants`
     that ran."""
     result.set("runs", rows)
-    for variant, key in variants.items():
-        values = rows.get(f"trainmover.{variant}", [])
+    for key, plane in CONTROL_PLANES.items():
+        if any(k == key or k.startswith(key + ".") for k in variants.values()):
+            result.set(f"{key}.control_plane", plane)
+    for name, key in variants.items():
+        values = rows.get(name, [])
         ok = successes(values)
         result.set_median(
             f"{key}.planned_downtime_s", [r["downtime_s"] for r in ok], first_reason(values)
         )
         if ok:
             result.set(f"{key}.phases_s", _phase_medians(ok))
-            result.set(f"{key}.group_build_s", statistics.median(r["group_build_s"] for r in ok))
-            result.set(f"{key}.normal_step_s", statistics.median(r["normal_step_s"] for r in ok))
-            result.set(f"{key}.groups_rebuilt", statistics.median(r["groups_rebuilt"] for r in ok))
-        first = [r["joiner_first_iteration_s"] for r in ok if "joiner_first_iteration_s" in r]
-        if first:
-            result.set(f"{key}.joiner_first_iteration_s", statistics.median(first))
+            for field in ("group_build_s", "normal_step_s", "groups_rebuilt",
+                          "joiner_first_iteration_s", "witness_gap_s"):  # fmt: skip
+                value = _median_of(ok, field)
+                if value is not None:
+                    result.set(f"{key}.{field}", value)
     fail = rows.get("trainmover.failure", [])
     fail_ok = successes(fail)
     result.set_median(
@@ -167,10 +195,11 @@ def summarize(
     if fail_ok:
         result.set("trainmover.failure_phases_s", _phase_medians(fail_ok))
         for field in ("end_to_end_s", "lost_in_flight_s"):
-            result.set(f"trainmover.failure_{field}",
-                       statistics.median(r[field] for r in fail_ok))  # fmt: skip
-    # Memory: medians over the delta migrations.
-    mem = [r["memory_mib"] for r in successes(rows.get("trainmover.delta", []))]
+            result.set(f"trainmover.failure_{field}", _median_of(fail_ok, field),
+                       "not reported")  # fmt: skip
+    # Memory: medians over the runtime floor's migrations (its harness samples every
+    # worker's RSS).
+    mem = [r["memory_mib"] for r in successes(rows.get("runtime.delta", []))]
     for field in mem[0] if mem else ():
         values = [m[field] for m in mem if m[field] is not None]
         result.set(f"memory_mib.{field}", statistics.median(values) if values else None,
@@ -227,6 +256,7 @@ def write(result: Result, json_path: Path) -> None:
             "planned migration",
             [
                 ("TrainMover", stats("trainmover.planned_downtime_stats")),
+                ("runtime floor", stats("runtime_floor.planned_downtime_stats")),
                 ("ablation: full rebuild", stats("ablations.full_rebuild.planned_downtime_stats")),
                 ("ablation: no overlap", stats("ablations.no_overlap.planned_downtime_stats")),
                 ("ablation: no shadow", stats("ablations.no_shadow.planned_downtime_stats")),
@@ -249,8 +279,10 @@ def write(result: Result, json_path: Path) -> None:
 def table(result: Result) -> str:
     g = result.get
     rows = [
-        ["TrainMover", fmt_stats(g("trainmover.planned_downtime_stats")),
+        ["TrainMover (through the services)", fmt_stats(g("trainmover.planned_downtime_stats")),
          fmt_stats(g("trainmover.failure_downtime_stats"))],
+        ["runtime floor (worker runtime alone)",
+         fmt_stats(g("runtime_floor.planned_downtime_stats")), ""],
         ["ablation: full rebuild", fmt_stats(g("ablations.full_rebuild.planned_downtime_stats")), ""],
         ["ablation: no phase-1 overlap", fmt_stats(g("ablations.no_overlap.planned_downtime_stats")), ""],
         ["ablation: no shadow iterations", fmt_stats(g("ablations.no_shadow.planned_downtime_stats")), ""],
@@ -259,7 +291,11 @@ def table(result: Result) -> str:
         ["torchft (survivors' stall, default timeout)", "",
          fmt_stats(g("torchft.failure_downtime_stats"))],
     ]  # fmt: skip
-    out = "Downtime in seconds, median (min–max)\n\n"
+    out = (
+        "Downtime in seconds, median (min–max). TrainMover: control plane "
+        f"{g('trainmover.control_plane')}; runtime floor and ablations: control plane "
+        f"{g('runtime_floor.control_plane')}\n\n"
+    )
     out += markdown_table(["system", "planned", "failure"], rows)
     out += "\n" + markdown_table(
         ["ratio", "value"],
@@ -283,6 +319,7 @@ def table(result: Result) -> str:
         ("checkpoint_restart.failure_phases_s", "Checkpoint-restart failure phases"),
         ("trainmover.phases_s", "TrainMover planned phases"),
         ("trainmover.failure_phases_s", "TrainMover failure phases"),
+        ("runtime_floor.phases_s", "Runtime floor planned phases"),
     )
     for key, title in phase_tables:
         phases = g(key) or {}
@@ -291,15 +328,16 @@ def table(result: Result) -> str:
                 list(phases), [[phases[p] for p in phases]]
             )
     first = [[label, g(f"{key}.joiner_first_iteration_s")] for label, key in
-             (("warm (shadow iterations)", "trainmover"),
+             (("warm (shadow iterations)", "runtime_floor"),
               ("cold (no_shadow)", "ablations.no_shadow"))]  # fmt: skip
     if any(v is not None for _, v in first):
         out += "\nJoiner's first real iteration (median s)\n\n"
         out += markdown_table(["joiner", "s"], first)
     mem = g("memory_mib") or {}
     if mem:
-        out += "\nMemory (MiB, RSS, median over migrations)\n\n" + markdown_table(
-            ["measure", "MiB"], [[k, v] for k, v in mem.items()]
+        out += (
+            "\nMemory (MiB, RSS, median over the runtime floor's migrations)\n\n"
+            + markdown_table(["measure", "MiB"], [[k, v] for k, v in mem.items()])
         )
     if result.data["unavailable"]:
         out += "\nNot measured\n\n" + markdown_table(

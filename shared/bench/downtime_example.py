@@ -2,8 +2,9 @@
 PyTorch script) under TrainMover against the very same script launched by plain torchrun.
 
 In one invocation, repetitions alternating between the systems: TrainMover's planned
-migration (a warm standby takes over the machine of DP rank 0) and failure (that machine
-SIGKILLed mid-step), then checkpoint-restart of the torchrun script (SIGKILL restarted
+migration (a drain through the client: a warm standby takes over the machine of DP rank
+0) and failure (that machine's sidecar and workers SIGKILLed mid-step, detected by the
+system), through the services (`"control_plane": "services"`), then checkpoint-restart of the torchrun script (SIGKILL restarted
 by torch.distributed.elastic; save-and-restart). The wrapper's cost comes from the same
 runs: the steady step period of each system before its events (`step_time.*`).
 """
@@ -27,7 +28,7 @@ from trainmover.bench.report import (
     markdown_table,
     outputs,
 )
-from trainmover.bench.trainmover_runs import TrainMoverJob
+from trainmover.bench.services_runs import ServicesJob
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -52,14 +53,14 @@ def run(args: argparse.Namespace) -> Result:
         progress.step(f"{what}: {_short(out)}")
 
     progress.note(f"starting TrainMover's job ({config.layout.machines} machines) in {run_dir}")
-    with TrainMoverJob(config, run_dir / "trainmover", standbys=1, entry=ex.entry) as tm:
+    with ServicesJob(config, run_dir / "trainmover", entry=ex.entry) as tm:
         for rep in range(args.repeats):
-            steady = tm.settle(args.warm_steps, warm=True)
-            out = attempt(partial(tm.planned, "delta", steady))
-            record("trainmover.delta", f"rep {rep + 1} trainmover planned", out)
-            steady = tm.settle(args.warm_steps, warm=True)
-            record("trainmover.failure", f"rep {rep + 1} trainmover failure",
-                   attempt(partial(tm.failure, steady)))  # fmt: skip
+            tm.release()
+            for kind, event in (("planned", tm.planned), ("failure", tm.failure)):
+                steady = tm.settle(args.warm_steps)
+                record(f"trainmover.{kind}", f"rep {rep + 1} trainmover {kind}",
+                       attempt(partial(event, steady)))  # fmt: skip
+            tm.settle(0)
             tm.hold()  # idle while the baseline trains
             with ckpt_restart.TorchrunJob(
                 config, run_dir / f"torchrun-{rep}", args.every, script=ex.script
@@ -82,7 +83,7 @@ def _short(out: Any) -> str:
 
 #: Where each system's steady step period is measured: the windows before its events.
 STEP_WINDOWS = {
-    "trainmover": ("trainmover.delta", "trainmover.failure"),
+    "trainmover": ("trainmover.planned", "trainmover.failure"),
     "torchrun": ("checkpoint_restart.failure", "checkpoint_restart.planned"),
 }
 
@@ -92,7 +93,7 @@ def summarize(result: Result, rows: dict[str, list[Any]]) -> None:
     checkpoint-restart's, their ratios), and the wrapper's cost: each system's steady
     step period and TrainMover's overhead over torchrun's (`step_time.overhead`, a
     fraction: the median over repetitions of their ratio minus 1)."""
-    downtime.summarize(result, rows, [], variants={"delta": "trainmover"})
+    downtime.summarize(result, rows, [], variants={"trainmover.planned": "trainmover"})
     result.data["unavailable"]["torchft.failure_downtime_s"] = "not run for examples"
     reps = max((len(v) for v in rows.values()), default=0)
     # Per repetition, each system's steady step (median of its windows in that

@@ -1,5 +1,7 @@
 """``trainmover bench rebalance``: the training-time ratio with a planned migration every
-P seconds, against the same job without migrations, in one invocation.
+P seconds, against the same job without migrations, in one invocation, through the
+product path (`"control_plane": "services"`): the whole system of `trainmover up`, each
+migration a drain through the client.
 
 The run alternates windows of P seconds without and with a migration (one migration per
 window: a migration every P seconds), so a drift of the shared cores' load hits both
@@ -9,8 +11,11 @@ time over wall time, relative to the undisturbed job), pooled over all windows, 
 the adjacent pairs' ratios as its spread. Each migration's own cost is also accounted
 from inside the run (its downtime plus the stayers' extra step time while phase 1 builds
 in the background), which gives a second, less noisy ratio and the projection to one
-migration every 600 s. The joiners are warm standbys (shadow iterations before the
-run), as in the full system.
+migration every 600 s. The joiners are warm standbys (they start and run their shadow
+iterations before the first window), as in the full system; a drained leaver stays in
+maintenance for the rest of the run, so its relaunch as a standby (a torch import and
+shadow iterations on these shared cores; another machine in production) falls in no
+window.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ from trainmover.bench.report import (
     ratio,
     summary,
 )
+from trainmover.bench.services_runs import CONTROL_PLANE, ServicesJob
 from trainmover.bench.settings import add_job_arguments, config_from_args
-from trainmover.bench.trainmover_runs import TrainMoverJob
-from trainmover.runtime.bench import normal_step, step_end
-from trainmover.runtime.driver import LocalJob
+
+#: A drained machine's maintenance: longer than any run, so none returns mid-run.
+MAINTENANCE_S = 86_400.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,48 +54,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--project", type=float, default=600.0, help="projected period (s)")
 
 
-def steps_between(job: LocalJob, start: float, end: float) -> int:
-    """Steps whose last rank finished inside [start, end]."""
-    return sum(1 for s in list(job.steps) if start < step_end(job, s) <= end)
-
-
-def phase1_excess(job: LocalJob, report: Any, normal: float) -> tuple[float, float]:
-    """The stayers' slowdown while phase 1 ran: (median period of the steps ending in
-    [prepare sent, ready + one step] / normal step, their summed extra time)."""
-    first = next(s for s in sorted(job.steps) if step_end(job, s) > report.prepare_sent)
-    periods = [
-        step_end(job, s) - step_end(job, s - 1)
-        for s in range(first, report.commit_step + 1)
-        if step_end(job, s) <= report.ready_at + normal
-    ]
+def phase1_excess(tm: ServicesJob, stamps: dict[str, float], normal: float) -> tuple[float, float]:
+    """The stayers' slowdown while phase 1 ran (the executor's phase1 -> committing): the
+    witness's step periods ending in [phase 1 entered, committing entered + one step]
+    as (their median / normal step, their summed extra time)."""
+    ts = tm.cluster.step_ts[tm.witness]
+    start, end = stamps["phase1"], stamps["committing"] + normal
+    periods = [ts[s] - ts[s - 1] for s in sorted(ts) if s - 1 in ts and start < ts[s] <= end]
     if not periods:
         return 1.0, 0.0
     return statistics.median(periods) / normal, sum(p - normal for p in periods)
 
 
-def window(tm: TrainMoverJob, seconds: float, migrate: bool) -> dict[str, Any]:
-    """`seconds` of training; with `migrate`, one planned migration a quarter into it
-    (so its whole cost, leaver exit included, falls inside the window)."""
-    job = tm.job
-    start, steady_from = time.time(), job.current_step()
+def window(tm: ServicesJob, seconds: float, migrate: bool) -> dict[str, Any]:
+    """`seconds` of training; with `migrate`, one drain a quarter into it (so its whole
+    cost, the leaver's exit included, falls inside the window)."""
+    start, steady_from = time.time(), tm.current_step()
     migrations = []
     if migrate:
         time.sleep(max(0.0, start + seconds / 4 - time.time()))
-        joiner = tm.joiner(warm=True)
-        if joiner is None:
-            raise RuntimeError("no warm standby left")
-        report = job.migrate({tm.leaver(): joiner}, margin=tm.margin)
-        job.wait_step(report.commit_step + 1)
-        normal = normal_step(job, steady_from, report.commit_step)
-        downtime = (
-            step_end(job, report.commit_step + 1) - step_end(job, report.commit_step) - normal
-        )
-        slowdown, excess = phase1_excess(job, report, normal)
-        migrations.append({"commit_step": report.commit_step, "downtime_s": downtime,
-                           "normal_step_s": normal, "phase1_slowdown": slowdown,
+        row = tm.planned(steady_from)
+        slowdown, excess = phase1_excess(tm, row["stamps"], row["normal_step_s"])
+        migrations.append({"event_id": row["event_id"], "downtime_s": row["downtime_s"],
+                           "normal_step_s": row["normal_step_s"], "phase1_slowdown": slowdown,
                            "phase1_excess_s": excess})  # fmt: skip
     time.sleep(max(0.0, start + seconds - time.time()))
-    return {"migrations": migrations, "steps": steps_between(job, start, start + seconds),
+    return {"migrations": migrations, "steps": tm.steps_between(start, start + seconds),
             "wall_s": seconds}  # fmt: skip
 
 
@@ -99,18 +89,14 @@ def run(args: argparse.Namespace) -> Result:
     windows = max(1, round(args.duration / args.period)) * args.repeats
     result = Result("rebalance", layout=config.layout.model_dump(), period_s=args.period,
                     duration_s=args.duration, repeats=args.repeats, windows=windows,
-                    run_dir=str(run_dir))  # fmt: skip
+                    control_plane=CONTROL_PLANE, run_dir=str(run_dir))  # fmt: skip
     progress = Progress("rebalance", 2 * windows)
     progress.note(f"starting the job with {windows} standbys in {run_dir}")
     runs: dict[str, list[dict[str, Any]]] = {"with": [], "without": []}
-    # Every standby starts and warms up front, with the job held: a standby starting
-    # mid-run would steal the shared cores (in production it is another machine).
-    with TrainMoverJob(config, run_dir, standbys=windows) as tm:
-        tm.job.wait_connected()
-        tm.hold()
-        tm.warm_standbys(list(tm.job.standbys))
+    # Every standby starts and warms up front, before the first window: a standby
+    # starting mid-run would steal the shared cores (in production it is another machine).
+    with ServicesJob(config, run_dir, standbys=windows, maintenance_s=MAINTENANCE_S) as tm:
         tm.settle(5)
-        tm.job.set_limit(tm.job.current_step() + 1_000_000)
         for i in range(windows):
             for kind in ("without", "with"):
                 out = window(tm, args.period, migrate=kind == "with")

@@ -1,12 +1,13 @@
-"""TrainMover's side of the downtime and rebalance benchmarks, over `LocalJob`.
+"""The downtime benchmark's runtime floor and ablations: the worker runtime alone, over
+`LocalJob` (`"control_plane": "runtime"`), no services in the way; TrainMover itself is
+measured through the services (`services_runs`).
 
 One job is kept alive across repetitions. Each event hits the machine that serves cell
 (dp 0, pp 0): a planned migration moves it to a standby and is measured with
-`trainmover.runtime.bench.measure` (downtime per docs/glossary.md, phases, group build time);
-a failure SIGKILLs it mid-step and the driver's unplanned path recovers its roles onto
-a standby from its DP replica (`measure_failure`). The full system's standbys are warm
-(shadow iterations, run while the job is held: on 2 shared cores they would otherwise
-slow training, and in production a standby is another machine).
+`trainmover.runtime.bench.measure` (downtime per docs/glossary.md, phases, group build
+time). The floor's standbys are warm (shadow iterations, run while the job is held: on
+2 shared cores they would otherwise slow training, and in production a standby is
+another machine).
 
 Variants of the planned migration: the full system (`delta`: the leaver's groups only,
 phase 1 overlapped with training, warm joiner), `full_rebuild` (every group of the
@@ -17,22 +18,13 @@ joiner: its first real iteration pays the warm-up).
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 from trainmover.bench.memory import RssSampler
 from trainmover.bench.settings import harness_timeout_s
-from trainmover.runtime.bench import (
-    CELL,
-    first_iterations,
-    measure,
-    measure_failure,
-    normal_step,
-    step_end,
-)
+from trainmover.runtime.bench import CELL, first_iterations, measure, step_end
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.driver import REFERENCE_ENTRY, LocalJob
 from trainmover.runtime.plan import RankRef
@@ -140,41 +132,10 @@ class TrainMoverJob:
         self.job.set_limit(max(self.job.limit, report.commit_step + 2))
         row = measure(self.job, report, steady_from, report.commit_step)
         row["mode"] = variant
+        row["control_plane"] = "runtime"
         row["warm_joiner"] = joiner in self.warmed
         row["joiner_first_iteration_s"] = first_iterations(self.job, report)
         row["memory_mib"] = self._memory(report, steady_from)
-        return row
-
-    def failure(self, steady_from: int) -> dict[str, Any]:
-        """Unplanned: SIGKILL the whole (dp 0, pp 0) machine in the middle of a step;
-        the driver notices (its control connections close), sends the recover plan
-        (delta rebuilt on the critical path, the joiner's state from the DP replica,
-        every survivor aborting the in-flight step) and the job resumes from the last
-        committed step. `downtime_s` is kill -> first step done after the recovery
-        (the re-executed in-flight step: the issue's definition, as for
-        checkpoint-restart, whose recomputed steps have no counterpart here);
-        `end_to_end_s` is the glossary's downtime (end of the last step before the kill -> end of
-        the first after, minus a normal step)."""
-        job = self.job
-        victim = self.leaver()
-        if self.joiner(warm=True) is None:
-            raise RuntimeError("no warm standby for the failure: settle first")
-        last = job.current_step() + 1
-        job.wait_step(last)
-        normal = normal_step(job, steady_from, last)
-        # In the middle of the next step: the expected position of a random failure.
-        time.sleep(max(0.0, step_end(job, last) + normal / 2 - time.time()))
-        group = job.procs[RankRef(machine=victim, local_rank=0)].pid  # the machine's group
-        killed_at = time.time()
-        os.killpg(group, signal.SIGKILL)
-        dead, noticed = job.wait_failure()
-        if dead != victim:
-            raise RuntimeError(f"{dead} failed, not the killed {victim}")
-        report = job.recover(dead, joiner=self.joiner(warm=True), detected_at=noticed)
-        row = measure_failure(job, report, killed_at, normal)
-        row["end_to_end_s"] = row["downtime_s"]
-        row["downtime_s"] = row["kill_to_first_step_s"]
-        row["lost_in_flight_s"] = killed_at - step_end(job, report.step)
         return row
 
     def _stop_the_world(self, moves: dict[str, str]) -> MigrationReport:

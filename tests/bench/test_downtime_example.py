@@ -44,7 +44,7 @@ def _row(step_s: float) -> dict:
 def test_the_step_overhead_is_taken_within_each_repetition() -> None:
     # Repetition 2 ran on a box twice as loaded: both systems slowed alike.
     rows = {
-        "trainmover.delta": [_row(1.02), _row(2.04)],
+        "trainmover.planned": [_row(1.02), _row(2.04)],
         "trainmover.failure": [_row(1.02), "failed: WorkerDied"],
         "checkpoint_restart.failure": [_row(1.0), _row(2.0)],
         "checkpoint_restart.planned": [_row(1.0), _row(2.0)],

@@ -27,6 +27,7 @@ DOWNTIME_KEYS = [
     "ratio.planned",
     "ratio.failure",
     "ratio.failure_vs_torchft",
+    "runtime_floor.planned_downtime_s",
     "ablations.full_rebuild.planned_downtime_s",
     "ablations.no_shadow.planned_downtime_s",
     "ablations.no_overlap.planned_downtime_s",
@@ -45,6 +46,7 @@ DOWNTIME_KEYS = [
 TRAINMOVER_KEYS = [
     "trainmover.planned_downtime_s",
     "trainmover.failure_downtime_s",
+    "runtime_floor.planned_downtime_s",
     "ablations.full_rebuild.planned_downtime_s",
     "ablations.no_overlap.planned_downtime_s",
     "ablations.no_shadow.planned_downtime_s",
@@ -86,14 +88,22 @@ def test_downtime(tmp_path: Path) -> None:
     assert cli_main(["bench", *args]) == 0
     data = check_outputs(out)
     check_keys(data, DOWNTIME_KEYS)
-    # Every TrainMover measurement runs: the planned migration, its three ablations and
-    # the failure path (a SIGKILLed machine recovered from its DP replica).
+    # Every TrainMover measurement runs: through the services a drain and a SIGKILLed
+    # machine recovered from its DP replica; over the runtime alone its floor and the
+    # three ablations. Each row says how it was driven.
     for key in TRAINMOVER_KEYS:
         assert lookup(data, key) is not None, data["unavailable"].get(key)
     assert lookup(data, "trainmover.failure_phases_s.detect") >= 0
     runs = data["runs"]
-    assert all(r["warm_joiner"] for r in runs["trainmover.delta"])
-    assert not any(r["warm_joiner"] for r in runs["trainmover.no_shadow"])
+    assert {
+        r["control_plane"] for r in runs["trainmover.planned"] + runs["trainmover.failure"]
+    } == {"services"}
+    assert data["trainmover"]["control_plane"] == "services"
+    assert data["runtime_floor"]["control_plane"] == "runtime"
+    assert all(r["warm_joiner"] for r in runs["trainmover.planned"])
+    assert all(r["source"] == "unplanned" for r in runs["trainmover.failure"])
+    assert all(r["warm_joiner"] for r in runs["runtime.delta"])
+    assert not any(r["warm_joiner"] for r in runs["runtime.no_shadow"])
 
 
 # 6 process starts and the standbys' shadow iterations on 2 shared cores.
@@ -106,6 +116,8 @@ def test_rebalance(tmp_path: Path) -> None:
     data = check_outputs(out)
     check_keys(data, ["training_time_ratio", "accounted_ratio", "projected_ratio_600s",
                       "stayer_phase1_slowdown", "migration.downtime_s"])  # fmt: skip
+    assert data["control_plane"] == "services"
+    assert all(len(w["migrations"]) == 1 for w in data["runs"]["with"])
 
 
 def test_scale(tmp_path: Path) -> None:
