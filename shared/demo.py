@@ -37,10 +37,10 @@ from trainmover.demo_examples import REFERENCE, DemoJob
 from trainmover.demoview import DemoDisplay
 from trainmover.jobview import JobView
 from trainmover.localcluster import FAST_SIGNALS, LocalCluster
+from trainmover.localjob import LocalJob
 from trainmover.messages import Command, MigrationProgress, StragglerEvent
 from trainmover.runtime.compare import state_files
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import LocalJob
 
 WAIT_S = 600.0
 

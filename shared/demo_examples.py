@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import REFERENCE_ENTRY
+from trainmover.runtime.launcher import REFERENCE_ENTRY
 
 
 @dataclass(frozen=True)

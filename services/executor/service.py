@@ -44,6 +44,7 @@ from trainmover.messages import (
 from trainmover.metrics import Registry
 from trainmover.services.executor.fencing import Fence, to_fence
 from trainmover.services.executor.migration import Migration, MigrationRecord
+from trainmover.services.planner.cluster import role_holders
 from trainmover.subjects import STATE_KEY, JobSubjects
 from trainmover.tasks import cancel_and_wait
 
@@ -335,12 +336,7 @@ class ExecutorService:
         state_kv = await bus.job_bucket(self._js, self.job)
         entry = await state_kv.get(STATE_KEY)
         assert entry.value is not None
-        state = decode(ClusterState, entry.value)
-        return sorted(
-            n
-            for n, m in state.machines.items()
-            if m.cell is not None and m.status in ("active", "leaving")
-        )
+        return role_holders(decode(ClusterState, entry.value))
 
     async def _save(self, record: MigrationRecord) -> None:
         kv = self._kv

@@ -17,10 +17,20 @@ from trainmover.messages import (
     QueuedEvent,
     decode_event,
 )
+from trainmover.runtime.config import JobConfig
 from trainmover.runtime.layout import ROLE_GROUP_KINDS
 
 HANDLED_MEMORY = 4096
 """How many handled event ids the state remembers, for duplicate detection."""
+
+
+def initial_state(config: JobConfig) -> ClusterState:
+    """A job's first state: its machines active in layout order; standbys join on warm-up."""
+    machines = {
+        name: MachineState(status="active", cell=cell)
+        for name, cell in zip(config.cluster.machines, config.layout.cells(), strict=True)
+    }
+    return ClusterState(job=config.job, layout=config.layout, machines=machines)
 
 
 def set_machine(state: ClusterState, name: str, **changes: object) -> ClusterState:
@@ -112,6 +122,16 @@ def replica(state: ClusterState, leaver: str, exclude: set[str]) -> str | None:
         ):
             return name
     return None
+
+
+def role_holders(state: ClusterState) -> list[str]:
+    """The machines that hold a role of the job (active, or leaving in a migration), by
+    name: who takes part in a recovery."""
+    return sorted(
+        n
+        for n, m in state.machines.items()
+        if m.cell is not None and m.status in ("active", "leaving")
+    )
 
 
 def latest_generations(state: ClusterState) -> dict[str, int]:

@@ -105,11 +105,13 @@ def make_plan(
     deadline_ts: float | None,
     merged_events: dict[str, str] | None = None,
     supersedes: list[str] | None = None,
+    full: bool = False,
 ) -> Outcome:
     """A new in-flight Plan moving each leaver of `moves` to its joiner, each restoring
     from `sources` (leaver -> the machine its state comes from: itself for a planned
     migration, a data-parallel replica for a failure; none for a checkpoint restart),
-    with the delta of groups to rebuild at their next generations."""
+    with the delta of groups to rebuild at their next generations (`full`: every group
+    of the job, the benchmark's ablation)."""
     plan_id = new_id()
     assignment = {
         n: m.cell
@@ -127,6 +129,7 @@ def make_plan(
         sources=replicas or None,
         restore="checkpoint" if kind == "checkpoint_restart" else "transfer",
         supersedes=supersedes,
+        full=full,
     )
     plan = Plan(
         plan_id=plan_id,

@@ -31,7 +31,6 @@ from trainmover.logs import get_logger
 from trainmover.messages import (
     ClusterState,
     Heartbeat,
-    MachineState,
     MessageError,
     MigrationProgress,
     OutboxEntry,
@@ -42,21 +41,13 @@ from trainmover.messages import (
 )
 from trainmover.metrics import Registry
 from trainmover.runtime.config import JobConfig
+from trainmover.services.planner.cluster import initial_state
 from trainmover.services.planner.decisions import Outcome, Planner
 from trainmover.services.planner.pool import RETURNING
 from trainmover.subjects import STATE_KEY, JobSubjects
 from trainmover.tasks import cancel_and_wait
 
 log = get_logger("planner")
-
-
-def initial_state(config: JobConfig) -> ClusterState:
-    """A job's first state: its machines active in layout order; standbys join on warm-up."""
-    machines = {
-        name: MachineState(status="active", cell=cell)
-        for name, cell in zip(config.cluster.machines, config.layout.cells(), strict=True)
-    }
-    return ClusterState(job=config.job, layout=config.layout, machines=machines)
 
 
 #: How often a stored but unsent outbox is sent again.

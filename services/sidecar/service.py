@@ -40,16 +40,15 @@ from trainmover.messages import (
 from trainmover.metrics import Registry
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
+from trainmover.runtime.launcher import REFERENCE_ENTRY
 from trainmover.runtime.plan import RankRef
 from trainmover.service import write_port_file
 from trainmover.services.executor.fencing import fenced_in
-from trainmover.services.sidecar.workers import MachineWorkers
+from trainmover.services.sidecar.workers import WORKER_OPS, MachineWorkers, plan_of
 from trainmover.subjects import STATE_KEY, JobSubjects
 from trainmover.tasks import cancel_and_wait
 
 log = get_logger("sidecar")
-
-REFERENCE_ENTRY = "trainmover.runtime.reference"
 
 
 @dataclass
@@ -319,50 +318,28 @@ class Sidecar:
         return result
 
     async def _dispatch(self, command: Command, timeout: float) -> dict[str, object]:
+        """The sidecar's own ops here; every other op is the workers' (`handle`)."""
         w = self.workers
         op = command.op
-        if op == "status":
-            return {
-                "step": w.current_step(),
-                "status": self._status,
-                "workers": [x.model_dump() for x in w.worker_status()],
-            }
-        if op == "steps":
-            step = int(command.args["step"])
-            return await asyncio.to_thread(w.step_times, step, timeout)
         if op == "warm":
             return await self._warm(timeout)
         if op == "fence":
             return await self._fence(str(command.args.get("instance") or ""))
-        if op == "slow":  # fault injection: this machine becomes a straggler
-            extra_s = float(command.args.get("extra_s", 0.0))
-            return await asyncio.to_thread(w.slow, extra_s)
-        if op == "block":  # fault injection: one worker deadlocks in a collective
-            group, local_rank = str(command.args["group"]), int(command.args.get("local_rank", 0))
-            return await asyncio.to_thread(w.block, group, local_rank)
-        if op == "hold":  # train up to this step and wait there
-            return await asyncio.to_thread(w.hold_at, int(command.args["step"]))
-        if op == "finish":  # the job ends after this step on every machine
-            return await asyncio.to_thread(w.finish_at, int(command.args["step"]), timeout)
-        plan = _plan_arg(command)
-        if op == "prepare":
-            if any(m.leaver == self.machine for m in plan.moves):
-                self._status = "leaving"
-            return await asyncio.to_thread(w.prepare, plan, timeout)
-        if op == "commit":
-            return await asyncio.to_thread(w.commit, plan, int(command.args["step"]), timeout)
-        if op == "recover":
-            return await asyncio.to_thread(w.recover, plan, timeout)
-        if op == "transfer":  # the switch: phase 2, state transfer included
-            result = await asyncio.to_thread(w.wait_switched, plan, timeout)
-            if "joiner" in result["parts"]:  # type: ignore[operator]
-                self._status = "active"
-            return result
         if op == "release":
-            return await self._release(plan, timeout)
+            return await self._release(plan_of(command), timeout)
         if op == "abort":
-            return self._abort(plan)
-        raise ValueError(f"unsupported op {op!r}")
+            return self._abort(plan_of(command))
+        if op not in WORKER_OPS:
+            raise ValueError(f"unsupported op {op!r}")
+        if op == "prepare" and any(m.leaver == self.machine for m in plan_of(command).moves):
+            self._status = "leaving"
+        result = await asyncio.to_thread(w.handle, command, timeout)
+        if op == "status":
+            result |= {"status": self._status,
+                       "workers": [x.model_dump() for x in w.worker_status()]}  # fmt: skip
+        if op == "transfer" and "joiner" in result["parts"]:  # type: ignore[operator]
+            self._status = "active"
+        return result
 
     async def _warm(self, timeout: float) -> dict[str, object]:
         """Shadow iterations for every role type of the job; the heartbeat then offers the
@@ -454,10 +431,3 @@ class Sidecar:
         self._beat_now.set()
         log.info("back_from_maintenance", job=self.job, machine=self.machine)
         await self._warm_quietly()
-
-
-def _plan_arg(command: Command) -> Plan:
-    raw = command.args.get("plan")
-    if not isinstance(raw, str):
-        raise ValueError(f"{command.op} needs args.plan, the plan as JSON text")
-    return decode(Plan, raw)

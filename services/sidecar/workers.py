@@ -7,25 +7,73 @@ their events with deadlines, failing fast when a worker dies.
 Roles come from the cluster state: a machine that the planner lists as active gets its
 cell's roles and current-generation groups in the answer to its workers' hello; any
 other machine's workers start as standbys and get a role only from a plan (as joiners).
+
+`handle` runs one of the executor's commands on these ranks: the sidecar calls it for
+every op that needs only the workers, and the in-process harness (`trainmover.localjob`)
+for all of them, with one `WorkerChannel` shared by every machine of its job.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from trainmover.messages import ClusterState, WorkerState, WorkerStatus
+from trainmover.messages import ClusterState, Command, Plan, WorkerState, WorkerStatus, decode
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig, save_config
-from trainmover.runtime.launcher import ControlServer, WorkerStarter
+from trainmover.runtime.launcher import ControlServer, WorkerProcess, WorkerStarter
 from trainmover.runtime.layout import MachineRole, Role
-from trainmover.runtime.plan import Plan, RankRef, group_specs
+from trainmover.runtime.plan import RankRef, group_specs
 from trainmover.runtime.supervisor import RankCommands, RankTracker, stop_processes
+
+Welcome = Callable[[c.Hello], c.Welcome]
+
+WORKER_OPS = frozenset(
+    {"status", "steps", "slow", "block", "hold", "finish", "prepare", "commit", "recover",
+     "transfer"}
+)  # fmt: skip
+"""The ops `MachineWorkers.handle` runs: those that need nothing but the workers."""
+
+
+def plan_of(command: Command) -> Plan:
+    """The plan a command carries (args.plan, as JSON text)."""
+    raw = command.args.get("plan")
+    if not isinstance(raw, str):
+        raise ValueError(f"{command.op} needs args.plan, the plan as JSON text")
+    return decode(Plan, raw)
+
+
+@dataclass
+class WorkerChannel:
+    """The supervising end of some ranks' control connections: their events, the
+    commands to them, and the fork server that starts them."""
+
+    tracker: RankTracker
+    control: ControlServer
+    commands: RankCommands
+    starter: WorkerStarter
+
+    @classmethod
+    def open(cls, run_dir: Path, name: str, welcome: Welcome, timeout_s: float) -> WorkerChannel:
+        tracker = RankTracker(run_dir)
+        control = ControlServer(welcome, tracker.on_event, on_disconnect=tracker.on_disconnect)
+        return cls(tracker, control, RankCommands(control, tracker, timeout_s),
+                   WorkerStarter(run_dir, name))  # fmt: skip
+
+    def close(self) -> None:
+        self.starter.close()
+        self.control.close()
 
 
 class MachineWorkers:
-    """The local ranks of one machine: spawn, answer hello, relay commands, track events."""
+    """The local ranks of one machine: spawn, answer hello, relay commands, track events.
+
+    By default the machine has a channel of its own (a sidecar); given `channel`, it
+    shares one with other machines (the in-process harness), and only ever looks at its
+    own ranks in it. `limit` is the last step a rank welcomed now may train (default:
+    the job's last)."""
 
     def __init__(
         self,
@@ -36,6 +84,8 @@ class MachineWorkers:
         state: Callable[[], ClusterState | None],
         entry: str,
         timeout_s: float = 120.0,
+        channel: WorkerChannel | None = None,
+        limit: Callable[[], int] | None = None,
     ) -> None:
         self.machine = machine
         self.config = config
@@ -44,13 +94,14 @@ class MachineWorkers:
         self.entry = entry
         self.timeout_s = timeout_s
         self._state = state
-        self.tracker = RankTracker(run_dir)
-        self.starter = WorkerStarter(run_dir, machine)
+        self._limit = limit or (lambda: config.train.steps)
+        self._own_channel = channel is None
+        self.channel = channel or WorkerChannel.open(run_dir, machine, self.welcome, timeout_s)
+        self.tracker = self.channel.tracker
+        self.starter = self.channel.starter
+        self.control = self.channel.control
+        self.commands = self.channel.commands
         self._config_path = save_config(config, run_dir / f"job-{machine}.json")
-        self.control = ControlServer(
-            self._welcome, self.tracker.on_event, on_disconnect=self.tracker.on_disconnect
-        )
-        self.commands = RankCommands(self.control, self.tracker, timeout_s)
         self._recovered: dict[str, list[RankRef]] = {}
         self.cell: MachineRole | None = None
         self._as_standby = False
@@ -63,6 +114,13 @@ class MachineWorkers:
             RankRef(machine=self.machine, local_rank=i)
             for i in range(self.config.layout.ranks_per_machine)
         ]
+
+    def live(self) -> list[RankRef]:
+        """This machine's ranks whose workers run and have not said goodbye."""
+        return [r for r in self.tracker.live() if r.machine == self.machine]
+
+    def _procs(self) -> list[WorkerProcess]:
+        return [p for r, p in list(self.tracker.procs.items()) if r.machine == self.machine]
 
     # --- processes -------------------------------------------------------------------
 
@@ -90,22 +148,22 @@ class MachineWorkers:
         )
 
     def running(self) -> bool:
-        return any(p.poll() is None for p in self.tracker.procs.values())
+        return any(p.poll() is None for p in self._procs())
 
     def stop(self) -> None:
         """Asks the workers to finish at the next step boundary, then makes sure they do."""
-        for ref in self.tracker.live():
+        for ref in self.live():
             if ref in self.control.connected():
                 try:
                     self.control.request(ref, c.Stop(), timeout_s=2)
                 except Exception:  # noqa: S110 - it is being stopped either way
                     pass
-        stop_processes(self.tracker.procs.values())
+        stop_processes(self._procs())
 
     def kill(self) -> None:
         """SIGKILLs every worker process at once (a fence: no step boundary is waited
         for, and a hung or stopped process dies too), then reaps them."""
-        procs = [p for p in self.tracker.procs.values() if p.poll() is None]
+        procs = [p for p in self._procs() if p.poll() is None]
         for proc in procs:
             proc.kill()
         for proc in procs:
@@ -113,8 +171,8 @@ class MachineWorkers:
 
     def close(self) -> None:
         self.stop()
-        self.starter.close()
-        self.control.close()
+        if self._own_channel:
+            self.channel.close()
 
     def worker_status(self) -> list[WorkerStatus]:
         out = []
@@ -144,7 +202,7 @@ class MachineWorkers:
 
     # --- control-plane answers ---------------------------------------------------------
 
-    def _welcome(self, hello: c.Hello) -> c.Welcome:
+    def welcome(self, hello: c.Hello) -> c.Welcome:
         state = self._state()
         me = RankRef(machine=hello.machine, local_rank=hello.local_rank)
         mine = state.machines.get(self.machine) if state else None
@@ -178,14 +236,43 @@ class MachineWorkers:
             job=self.config.job,
             role=role,
             groups=groups,
-            limit=self.config.train.steps,
+            limit=self._limit(),
             store=self.store_address if role is not None else "",
         )
 
     def _on_event(self, ref: RankRef, msg: c.Message) -> None:
-        if isinstance(msg, c.Switched) and msg.part == "leaver":
+        if ref.machine == self.machine and isinstance(msg, c.Switched) and msg.part == "leaver":
             with self._lock:
                 self.cell = None
+
+    # --- the executor's commands ----------------------------------------------------------
+
+    def handle(self, command: Command, timeout_s: float) -> dict[str, object]:
+        """Runs `command` (an op of the workers alone; see `WORKER_OPS`) on this
+        machine's ranks and returns its result."""
+        op, args = command.op, command.args
+        if op == "status":
+            return {"step": self.current_step()}
+        if op == "steps":
+            return self.step_times(int(args["step"]), timeout_s)
+        if op == "slow":  # fault injection: this machine becomes a straggler
+            return self.slow(float(args.get("extra_s", 0.0)))
+        if op == "block":  # fault injection: one worker deadlocks in a collective
+            return self.block(str(args["group"]), int(args.get("local_rank", 0)))
+        if op == "hold":  # train up to this step and wait there
+            return self.hold_at(int(args["step"]))
+        if op == "finish":  # the job ends after this step on every machine
+            return self.finish_at(int(args["step"]), timeout_s)
+        plan = plan_of(command)
+        if op == "prepare":
+            return self.prepare(plan, timeout_s)
+        if op == "commit":
+            return self.commit(plan, int(args["step"]), timeout_s)
+        if op == "recover":
+            return self.recover(plan, timeout_s)
+        if op == "transfer":  # the switch: phase 2, state transfer included
+            return self.wait_switched(plan, timeout_s)
+        raise ValueError(f"unsupported op {op!r}")
 
     # --- migration commands -------------------------------------------------------------
 
@@ -242,7 +329,7 @@ class MachineWorkers:
         step and recovers in the plan's epoch; returns once they sent `recover_ack`."""
         self.refuse_if_exited(plan)
         self.wait_connected(timeout_s)
-        refs = self.tracker.live()
+        refs = self.live()
         self._recovered[plan.plan_id] = refs
         acks = self.commands.recover(refs, plan, store=self.store_address)
         return {
@@ -284,7 +371,7 @@ class MachineWorkers:
 
     def slow(self, extra_s: float) -> dict[str, object]:
         """Fault injection: adds `extra_s` of compute to every step of this machine."""
-        refs = self.tracker.live()
+        refs = self.live()
         for ref in refs:
             self.control.request(ref, c.Slow(extra_s=extra_s), self.timeout_s)
         return {"ranks": len(refs), "extra_s": extra_s}
@@ -292,7 +379,7 @@ class MachineWorkers:
     def block(self, group: str, local_rank: int) -> dict[str, object]:
         """Fault injection: one worker of this machine deadlocks at its next vote, in an
         extra collective of `group` that its peers never join."""
-        refs = [r for r in self.tracker.live() if r.local_rank == local_rank]
+        refs = [r for r in self.live() if r.local_rank == local_rank]
         if not refs:
             raise ValueError(f"{self.machine} has no live worker of local rank {local_rank}")
         for ref in refs:
@@ -305,7 +392,7 @@ class MachineWorkers:
         `step` (saving their state if the config dumps the last step). Refused, naming
         the ranks, when a rank here has already left the boundary after `step`. (A
         standby's workers take the step too; they train none until they join.)"""
-        refs = self.tracker.live()
+        refs = self.live()
         past = {}
         for ref in refs:
             try:
@@ -334,7 +421,7 @@ class MachineWorkers:
 
     def step_times(self, step: int, timeout_s: float) -> dict[str, object]:
         """Waits until every live rank finished `step`; returns end times and step lengths."""
-        refs = self.tracker.live()
+        refs = self.live()
         self.tracker.wait(
             lambda: all(self.tracker.step_of(r) >= step for r in refs),
             timeout_s,

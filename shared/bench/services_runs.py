@@ -35,7 +35,7 @@ from trainmover.bench.settings import harness_timeout_s
 from trainmover.localcluster import FAST_SIGNALS, LocalCluster
 from trainmover.messages import ClusterState, MigrationProgress, decode
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import REFERENCE_ENTRY
+from trainmover.runtime.launcher import REFERENCE_ENTRY
 from trainmover.runtime.layout import MachineRole
 from trainmover.subjects import JobSubjects
 

@@ -18,15 +18,15 @@ joiner: its first real iteration pays the warm-up).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Literal
 
 from trainmover.bench.memory import RssSampler
 from trainmover.bench.settings import harness_timeout_s
+from trainmover.localjob import LocalJob
 from trainmover.runtime.bench import CELL, first_iterations, measure, step_end
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import REFERENCE_ENTRY, LocalJob
+from trainmover.runtime.launcher import REFERENCE_ENTRY
 from trainmover.runtime.plan import RankRef
 from trainmover.runtime.reports import MigrationReport
 
@@ -139,25 +139,12 @@ class TrainMoverJob:
         return row
 
     def _stop_the_world(self, moves: dict[str, str]) -> MigrationReport:
-        """The no-overlap ablation: hold every rank at the switch step, then build the
-        delta (phase 1) while nobody trains, then commit and release."""
-        job = self.job
-        k = job.current_step() + self.margin
-        resume = job.limit
-        job.set_limit(k)
-        job.wait_step(k)
-        plan = job.make_plan(moves)
-        prepare_sent = time.time()
-        acks = job.prepare(plan)
-        ready = job.wait_ready(plan)
-        ready_at = commit_sent = time.time()
-        job.commit(plan, k)
-        commit_acked = time.time()
-        job.set_limit(max(resume, k + 2))
-        switched = job.wait_switched(plan)
-        return MigrationReport(
-            plan, k, prepare_sent, ready, ready_at, commit_sent, commit_acked, switched, acks
-        )
+        """The no-overlap ablation: every rank is held at the switch step, then phase 1
+        builds the delta while nobody trains, then the commit and the switch."""
+        k = self.job.current_step() + self.margin
+        self.job.set_limit(k)
+        self.job.wait_step(k)
+        return self.job.migrate(moves, at_step=k)
 
     def _memory(self, report: MigrationReport, steady_from: int) -> dict[str, Any]:
         """Peak RSS of each part during the migration (phase 1 included: prepare sent ->

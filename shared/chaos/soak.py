@@ -37,11 +37,11 @@ from trainmover.chaos.invariants import check_accounting, check_replicas, dump_f
 from trainmover.chaos.observer import Observer
 from trainmover.chaos.report import FaultRecord, SoakReport, SoakSettings, print_summary
 from trainmover.localcluster import FAST_SIGNALS, LocalCluster
+from trainmover.localjob import LocalJob
 from trainmover.logs import get_logger
 from trainmover.messages import ClusterState
 from trainmover.runtime.compare import mismatches, state_files
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import LocalJob
 from trainmover.runtime.layout import Layout
 
 log = get_logger("chaos")

@@ -6,5 +6,5 @@ switch happens, and the peer state transfer from a leaver to its joiner.
 Importing this package is cheap on purpose (no torch): the planner imports
 `trainmover.runtime.layout` and `trainmover.runtime.plan` only. The training-side entry
 point is `trainmover.runtime.worker.Runtime`; the supervising side is
-`trainmover.runtime.driver.LocalJob`.
+`trainmover.localjob.LocalJob`.
 """

@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainmover.localjob import LocalJob
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig, load_config
-from trainmover.runtime.driver import LocalJob
 from trainmover.runtime.layout import MachineRole
 from trainmover.runtime.plan import RankRef
 from trainmover.runtime.reports import MigrationReport, RecoveryReport

@@ -22,6 +22,10 @@ from trainmover.runtime.forkserver import ForkedWorker, ForkServer
 from trainmover.runtime.forkserver import enabled as forkserver_enabled
 from trainmover.runtime.plan import RankRef
 
+REFERENCE_ENTRY = "trainmover.runtime.reference"
+"""The worker entry of the runtime's own reference job (what a launcher starts unless
+told another: an examples/ script, a test's)."""
+
 HelloHandler = Callable[[c.Hello], c.Welcome]
 EventSink = Callable[[RankRef, c.Message], None]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainmover.runtime.driver import LocalJob
+from trainmover.localjob import LocalJob
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,10 @@
-"""What a driven migration or failure recovery reported (`LocalJob.migrate`,
-`LocalJob.recover`): the plan, the wall-clock marks of its phases and each rank's answers."""
+"""What a driven migration or failure recovery reported (`trainmover.localjob.LocalJob`'s
+`migrate` and `recover`): the plan, the wall-clock marks of its phases and each rank's
+answers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from trainmover.runtime import control as c
 from trainmover.runtime.plan import Plan, RankRef
@@ -21,7 +22,6 @@ class MigrationReport:
     commit_sent: float
     commit_acked: float
     switched: dict[RankRef, c.Switched]
-    prepare_acks: dict[RankRef, c.PrepareAck] = field(default_factory=dict)
 
 
 @dataclass
@@ -30,10 +30,9 @@ class RecoveryReport:
 
     plan: Plan
     dead: str
-    #: Wall clock: the supervisor noticed the death; the recover plan was sent; acks.
+    #: Wall clock: the harness noticed the death; the recovery began.
     detected_at: float
     recover_sent: float
-    acks: dict[RankRef, c.RecoverAck]
     switched: dict[RankRef, c.Switched]
 
     @property

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from trainmover.localcluster import LocalCluster
+from trainmover.localjob import LocalJob
 from trainmover.messages import MigrationProgress
 from trainmover.runtime.compare import state_files
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import LocalJob
 
 STEPS = 150
 #: Generous bound on any one wait: the 2 shared cores are sometimes heavily loaded.

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from trainmover.examples.ddp import train, train_trainmover
+from trainmover.localjob import LocalJob
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import LocalJob
 from trainmover.runtime.plan import RankRef
 from trainmover.runtime.reports import RecoveryReport
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from trainmover.localjob import LocalJob
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import LocalJob
 from trainmover.runtime.plan import Plan, RankRef
 from trainmover.runtime.reports import RecoveryReport
 

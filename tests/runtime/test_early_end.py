@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from trainmover.localjob import LocalJob
 from trainmover.runtime import control as c
-from trainmover.runtime.driver import LocalJob
 
 from .conftest import DP2, WAIT_S
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainmover.localjob import LocalJob
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.driver import LocalJob
 from trainmover.runtime.layout import Layout
 from trainmover.runtime.records import NatsRecordStore, open_record_store
 from trainmover.runtime.sandbox import DirectoryRecordStore, Recorder, load_record, record_key

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainmover.runtime.driver import LocalJob
+from trainmover.localjob import LocalJob
 
 from .conftest import DP2, WAIT_S
 

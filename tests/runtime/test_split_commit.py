@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainmover.localjob import LocalJob
 from trainmover.runtime import control as c
-from trainmover.runtime.driver import LocalJob
 from trainmover.runtime.plan import RankRef
 from trainmover.runtime.state import load_saved
 

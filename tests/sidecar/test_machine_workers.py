@@ -48,9 +48,9 @@ def test_workers_relaunched_as_a_standby_get_no_role_from_a_stale_state(tmp_path
     )
     hello = c.Hello(machine="m0", local_rank=0, pid=1)
     try:
-        assert workers._welcome(hello).role is not None  # a first start takes the role
+        assert workers.welcome(hello).role is not None  # a first start takes the role
         workers.launch(as_standby=True)
-        welcome = workers._welcome(hello)
+        welcome = workers.welcome(hello)
         assert welcome.role is None and welcome.groups == [] and welcome.store == ""
         workers.stop()
     finally:
