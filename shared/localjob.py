@@ -8,7 +8,7 @@ What decides is what the services run:
   the last checkpoint when there is none), and the cluster state after each migration;
 - the executor's `Migration` state machine: the phases, the switch step and its commit
   rounds, the downtime measure; its commands reach the machines over an in-memory
-  transport instead of NATS;
+  transport instead of NATS (`trainmover.localexec`);
 - each machine's `MachineWorkers` (the sidecar's side): the answer to a worker's hello
   and every command on its ranks; all machines share one control server and fork server.
 
@@ -25,21 +25,14 @@ once with the tail of its log. What a migration or recovery reported:
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainmover.messages import (
-    ClusterState,
-    Command,
-    CommandReply,
-    FailureEvent,
-    MigrationProgress,
-    Plan,
-)
+from trainmover.localexec import InMemoryExecutor
+from trainmover.messages import ClusterState, FailureEvent, MigrationProgress, Plan
 from trainmover.runtime import control as c
 from trainmover.runtime import logs
 from trainmover.runtime.config import JobConfig, save_config
@@ -49,7 +42,7 @@ from trainmover.runtime.plan import RankRef
 from trainmover.runtime.rendezvous import RendezvousHost
 from trainmover.runtime.reports import MigrationReport, RecoveryReport
 from trainmover.runtime.supervisor import stop_processes
-from trainmover.services.executor.migration import Migration, MigrationFailed, MigrationRecord
+from trainmover.services.executor.migration import MigrationRecord
 from trainmover.services.executor.switch import COMMIT_ROUNDS
 from trainmover.services.planner.cluster import initial_state, role_holders, set_machine
 from trainmover.services.planner.decisions import Planner
@@ -93,8 +86,6 @@ class LocalJob:
         self.limit = config.train.steps if limit is None else limit
         self._events = itertools.count(1)
         self._standby_ids = itertools.count(0)
-        #: Called once the commit of the running migration is taken (see `migrate`).
-        self._on_committed: Callable[[], None] | None = None
 
         self._config_path = save_config(config, self.run_dir / "job.json")
         self._rendezvous = None if store_address else RendezvousHost()
@@ -114,6 +105,7 @@ class LocalJob:
         )
         self.ready, self.switched, self.failed = t.ready, t.switched, t.failed
         self.machines: dict[str, MachineWorkers] = {}
+        self.executor = InMemoryExecutor(self.machines, lambda: role_holders(self.state), timeout_s)
         try:
             for machine in config.cluster.machines:
                 self._spawn_machine(machine)
@@ -357,7 +349,7 @@ class LocalJob:
         if at_step is not None:
             resume = self.limit
             self.set_limit(at_step)
-            self._on_committed = lambda: self.set_limit(max(resume, at_step + 1))
+            self.executor.on_committed = lambda: self.set_limit(max(resume, at_step + 1))
         record, stamps = self._run(plan, at_step, margin, timeout_s)
         phases = record.phases
         prepare_sent = stamps["phase1"]
@@ -403,58 +395,13 @@ class LocalJob:
     def _run(
         self, plan: Plan, commit_step: int | None, margin: int, timeout_s: float | None
     ) -> tuple[MigrationRecord, dict[str, float]]:
-        """Runs `plan` with the executor's Migration to its end; the planner then applies
-        that end to the state. Returns the final record and when each state began."""
-        stamps: dict[str, float] = {}
-
-        async def save(record: MigrationRecord) -> None:
-            pass  # nothing survives this process: no executor restart to resume from
-
-        async def publish(progress: MigrationProgress) -> None:
-            stamps.setdefault(progress.state, progress.ts)
-
-        async def survivors() -> list[str]:
-            return role_holders(self.state)
-
-        migration = Migration(
-            None,
-            MigrationRecord(plan=plan, commit_step=commit_step),
-            save,
-            publish,
-            survivors,
-            margin=margin,
-            timeout_s=timeout_s or self.timeout_s,
-            send=self._send,
-        )
+        """Runs `plan` to its end; the planner then applies that end to the state."""
         try:
-            record = asyncio.run(migration.run())
+            out = self.executor.run(plan, commit_step, margin, timeout_s or self.timeout_s)
         finally:
-            self._on_committed = None
-        if record.phase != "done":
-            raise MigrationFailed(f"plan {plan.plan_id}: {record.error}")
+            self.executor.on_committed = None
         self._ended(plan)
-        return record, stamps
-
-    async def _send(self, command: Command) -> CommandReply:
-        """The in-memory transport: the executor's command to its machine's workers."""
-        workers = self.machines[command.machine]
-        timeout = float(command.args.get("timeout_s", self.timeout_s))
-        try:
-            if command.op == "release":  # the leaver's workers exit; no maintenance here
-                await asyncio.to_thread(workers.wait_exited, timeout)
-                result: dict[str, object] = {"released": True}
-            elif command.op == "abort":  # a failed plan's joiner stays as it is
-                result = {"relaunched": False}
-            else:
-                if command.op == "transfer" and self._on_committed is not None:
-                    hook, self._on_committed = self._on_committed, None
-                    await asyncio.to_thread(hook)
-                result = await asyncio.to_thread(workers.handle, command, timeout)
-        except Exception as err:
-            return CommandReply(
-                command_id=command.command_id, ok=False, error=f"{type(err).__name__}: {err}"
-            )
-        return CommandReply(command_id=command.command_id, ok=True, result=result)
+        return out
 
     def _ended(self, plan: Plan) -> None:
         """The planner's side of a migration's end: roles, generations, statuses."""

@@ -42,6 +42,11 @@ from trainmover.bench.settings import add_job_arguments, config_from_args
 
 #: A drained machine's maintenance: longer than any run, so none returns mid-run.
 MAINTENANCE_S = 86_400.0
+#: How long after a migration's end its aftermath is counted (the leaver's workers
+#: exiting, the joiner's first steps), and how long before it the local step rate is
+#: taken: short next to the load's drift over a window, long next to what it measures.
+AFTER_S = 10.0
+BEFORE_S = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +71,21 @@ def phase1_excess(tm: ServicesJob, stamps: dict[str, float], normal: float) -> t
     return statistics.median(periods) / normal, sum(p - normal for p in periods)
 
 
+def excess_profile(
+    ts: dict[int, float], start: float, end: float, marks: dict[str, float], normal: float
+) -> dict[str, float]:
+    """Where a window's training time went: for each segment between consecutive `marks`
+    (name -> when it begins; the first begins at `start`, the last ends at `end`), the
+    witness's step periods ending in it less a normal step each, summed."""
+    bounds = sorted(marks.items(), key=lambda kv: kv[1])
+    edges = [t for _, t in bounds[1:]] + [end]
+    out = {}
+    for (name, begin), stop in zip(bounds, edges, strict=True):
+        periods = [ts[s] - ts[s - 1] for s in ts if s - 1 in ts and begin < ts[s] <= stop]
+        out[name] = sum(p - normal for p in periods)
+    return out
+
+
 def window(tm: ServicesJob, seconds: float, migrate: bool) -> dict[str, Any]:
     """`seconds` of training; with `migrate`, one drain a quarter into it (so its whole
     cost, the leaver's exit included, falls inside the window)."""
@@ -79,8 +99,24 @@ def window(tm: ServicesJob, seconds: float, migrate: bool) -> dict[str, Any]:
                            "normal_step_s": row["normal_step_s"], "phase1_slowdown": slowdown,
                            "phase1_excess_s": excess})  # fmt: skip
     time.sleep(max(0.0, start + seconds - time.time()))
-    return {"migrations": migrations, "steps": tm.steps_between(start, start + seconds),
-            "wall_s": seconds}  # fmt: skip
+    ts = dict(tm.cluster.step_ts[tm.witness])
+    out: dict[str, Any] = {"migrations": migrations, "wall_s": seconds,
+                           "steps": tm.steps_between(start, start + seconds)}  # fmt: skip
+    if migrate:
+        stamps = tm.stamps(row["event_id"])  # by now with the migration's end
+        begin, done = stamps["phase1"], stamps.get("done", stamps["committing"])
+        # Counted locally: every step period from phase 1 to AFTER_S past the end,
+        # against the step rate just before (the load's drift over a whole window is
+        # larger than what a migration costs).
+        before = [
+            ts[s] - ts[s - 1] for s in ts if s - 1 in ts and begin - BEFORE_S < ts[s] <= begin
+        ]
+        local = statistics.median(before) if before else row["normal_step_s"]
+        marks = {"phase1": begin, "switch": stamps["committing"], "after": done}
+        profile = excess_profile(ts, begin, done + AFTER_S, marks, local)
+        migrations[0] |= {"local_step_s": local, "excess_s": profile,
+                          "counted_cost_s": sum(profile.values())}  # fmt: skip
+    return out
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -129,6 +165,18 @@ def summarize(result: Result, runs: dict[str, list[dict[str, Any]]], period: flo
     result.set("migration.cost_s", cost, "no migration ran")
     for key, p in (("accounted_ratio", period), (f"projected_ratio_{project:g}s", project)):
         result.set(key, None if cost is None else 1 - cost / p, "no migration ran")
+    # Counted around each migration (pooled: every migration's lost time over the
+    # windows' wall time), and the noise the pooled window count is up against.
+    counted = [m["counted_cost_s"] for m in migs if "counted_cost_s" in m]
+    result.set_median("migration.counted_cost_s", counted, "no migration ran")
+    pooled = sum(counted) / (len(counted) * period) if counted else None
+    result.set("counted_ratio", None if pooled is None else 1 - pooled, "no migration ran")
+    result.set(f"projected_counted_ratio_{project:g}s",
+               None if pooled is None else 1 - pooled * period / project,
+               "no migration ran")  # fmt: skip
+    without = [r["steps"] for r in runs["without"]]
+    result.set_median("noise.without_window_pairs", [b / a for a, b in zip(without, without[1:],
+                      strict=False) if a], "fewer than two windows without a migration")  # fmt: skip
 
 
 def table(result: Result) -> str:
@@ -137,6 +185,13 @@ def table(result: Result) -> str:
     rows = [
         ["training-time ratio (steps with / without, pooled)", g("training_time_ratio")],
         ["training-time ratio per window pair", fmt_stats(stats)],
+        ["noise: consecutive windows without a migration, ratio",
+         fmt_stats(g("noise.without_window_pairs_stats"))],
+        [f"counted ratio at {g('period_s'):g} s (1 - time lost around each migration / period)",
+         g("counted_ratio")],
+        *[[f"projected counted ratio at {k.removeprefix('projected_counted_ratio_')}", v]
+          for k, v in result.data.items() if k.startswith("projected_counted_ratio_")],
+        ["time lost around a migration (counted), s", fmt_stats(g("migration.counted_cost_stats"))],
         [f"accounted ratio at {g('period_s'):g} s (1 - cost / period)", g("accounted_ratio")],
         *[[f"projected ratio at {k.removeprefix('projected_ratio_')}", v]
           for k, v in result.data.items() if k.startswith("projected_ratio_")],

@@ -115,7 +115,8 @@ def test_rebalance(tmp_path: Path) -> None:
     assert bench_main(args) == 0
     data = check_outputs(out)
     check_keys(data, ["training_time_ratio", "accounted_ratio", "projected_ratio_600s",
-                      "stayer_phase1_slowdown", "migration.downtime_s"])  # fmt: skip
+                      "stayer_phase1_slowdown", "migration.downtime_s", "counted_ratio",
+                      "projected_counted_ratio_600s", "migration.counted_cost_s"])  # fmt: skip
     assert data["control_plane"] == "services"
     assert all(len(w["migrations"]) == 1 for w in data["runs"]["with"])
 

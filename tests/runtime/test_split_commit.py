@@ -68,6 +68,11 @@ def test_a_commit_one_committer_refused_switches_nobody_and_a_later_one_moves(
         job.commit(plan, LATER)
         job.set_limit(STEPS)
         switched = job.wait_switched(plan, timeout_s=WAIT_S)
+        # The planner applied the migration's end: roles, statuses, generations.
+        machines = job.state.machines
+        assert (machines["m0"].status, machines[joiner].status) == ("maintenance", "active")
+        assert job.assignment[joiner] == plan.moves[0].cell and not job.state.in_flight
+        assert all(job.generations[g.name] == g.generation == 1 for g in plan.groups)
         job.finish(timeout_s=WAIT_S)
 
     assert {e.step for e in switched.values()} == {LATER}

@@ -73,6 +73,9 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Run:
         assert dead == FAULT[0]
         recovery = job.recover(dead, detected_at=noticed, timeout_s=WAIT_S)
         assert recovery.step == FAULT[1] - 1
+        # The planner's recovery: the first free standby, the state from the replica.
+        assert [(m.leaver, m.joiner) for m in recovery.plan.moves] == [(dead, "s1")]
+        assert recovery.plan.migration == "unplanned" and job.state.machines[dead].status == "failed"
         job.finish(timeout_s=WAIT_S)
         return Run(run_dir, job.losses(), warmed, [recovery], steps=STEPS)
 
