@@ -75,7 +75,9 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Run:
         assert recovery.step == FAULT[1] - 1
         # The planner's recovery: the first free standby, the state from the replica.
         assert [(m.leaver, m.joiner) for m in recovery.plan.moves] == [(dead, "s1")]
-        assert recovery.plan.migration == "unplanned" and job.state.machines[dead].status == "failed"
+        assert (
+            recovery.plan.migration == "unplanned" and job.state.machines[dead].status == "failed"
+        )
         job.finish(timeout_s=WAIT_S)
         return Run(run_dir, job.losses(), warmed, [recovery], steps=STEPS)
 
