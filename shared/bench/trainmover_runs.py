@@ -29,6 +29,7 @@ from trainmover.runtime.config import JobConfig
 from trainmover.runtime.launcher import REFERENCE_ENTRY
 from trainmover.runtime.plan import RankRef
 from trainmover.runtime.reports import MigrationReport
+from trainmover.services.executor.switch import switch_step
 
 Variant = Literal["delta", "full_rebuild", "no_overlap", "no_shadow"]
 VARIANTS: tuple[Variant, ...] = ("delta", "full_rebuild", "no_overlap", "no_shadow")
@@ -141,7 +142,7 @@ class TrainMoverJob:
     def _stop_the_world(self, moves: dict[str, str]) -> MigrationReport:
         """The no-overlap ablation: every rank is held at the switch step, then phase 1
         builds the delta while nobody trains, then the commit and the switch."""
-        k = self.job.current_step() + self.margin
+        k = switch_step([self.job.current_step()], self.margin)  # the executor's choice
         self.job.set_limit(k)
         self.job.wait_step(k)
         return self.job.migrate(moves, at_step=k)
