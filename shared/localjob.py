@@ -470,7 +470,7 @@ class LocalJob:
         types = role_types or list(self.layout.role_types())
         return self.commands.warm(refs, types, iterations, timeout_s)
 
-    def abort(self, reason: str = "aborted by the driver") -> dict[RankRef, c.AbortAck]:
+    def abort(self, reason: str = "aborted by the harness") -> dict[RankRef, c.AbortAck]:
         """Aborts the in-flight step of the current epoch on every live active rank."""
         refs = [r for r in self.ranks() if r in self._live()]
         epochs = {s.epoch for s in self.commands.status(refs[:1]).values()}

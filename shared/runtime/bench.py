@@ -4,7 +4,7 @@ delta vs full rebuild, warm vs cold joiners, the commit agreement's per-step cos
     python -m trainmover.runtime.bench --json bench.json [--repeats 3] [--config job.yaml]
 
 Failures (issue 5) come first, on the machines the job starts with: each is SIGKILLed
-mid-step by the test-only fault hook at a chosen step and point, detected by the driver
+mid-step by the test-only fault hook at a chosen step and point, detected by the harness
 (its control connection closes), and recovered from its DP replica onto a standby.
 Failure downtime is measured twice: from the kill to the end of the first step done
 after the recovery (the in-flight step re-executed), and the glossary's way (docs/glossary.md: end of the

@@ -1,5 +1,5 @@
-"""The control API between a supervising process (local driver, later the sidecar) and the
-runtime in each worker: typed messages over one local TCP connection per worker.
+"""The control API between a supervising process (a machine's sidecar, or the in-process
+harness) and the runtime in each worker: typed messages over one local TCP connection per worker.
 
 Wire format: one JSON object per line, ``{"type", "id", "reply_to", "body"}``. A request
 carries an ``id`` and gets exactly one reply carrying ``reply_to``; an event carries

@@ -1,7 +1,7 @@
 """The supervising side of the control API for a set of local ranks: processes and events.
 
-Whoever supervises workers (the local driver for a whole job, a sidecar for one
-machine) starts them with a `WorkerStarter`, routes their control events into a
+Whoever supervises workers (a sidecar for its machine, or the in-process harness for
+every machine of a job) starts them with a `WorkerStarter`, routes their control events into a
 `RankTracker`, and waits on it: every wait has a deadline and fails at once, with the
 tail of the worker's log, when a worker process dies instead of running into it (unless
 it is known lost: a failed machine being recovered). `RankCommands` sends the control
