@@ -16,6 +16,7 @@ replicas than wanted is left as it is: nothing here ever lowers durability.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -24,7 +25,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import StorageType
-from nats.js.errors import BucketNotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -114,6 +115,10 @@ async def create(stream: str, want: int, creating: Awaitable[Any]) -> Any:
 
 
 CREATE_ATTEMPTS = 5
+NO_PLACEMENT = 10005
+"""JetStream's "no suitable peers for placement": a server not (yet, or no longer) seen
+online by the meta leader, as right after a cluster forms on a loaded host."""
+PLACEMENT_BACKOFF_S = 0.5
 
 
 async def found_or_created(
@@ -127,7 +132,10 @@ async def found_or_created(
 
     Two processes creating the same replicated stream at once (the services of a job
     starting together) can each see their request go unanswered while the cluster
-    agrees on one: a timed-out creation looks again instead of failing."""
+    agrees on one: a timed-out creation looks again instead of failing. A creation
+    refused for want of peers to place the replicas on is tried again after a growing
+    pause (a server's presence reaches the meta leader late on a loaded host); there is
+    no event to await for it."""
     for attempt in range(1, CREATE_ATTEMPTS + 1):
         try:
             try:
@@ -138,6 +146,16 @@ async def found_or_created(
             return None
         except (TimeoutError, NatsTimeout):
             log.info("stream_create_retry", stream=stream, attempt=attempt)
+        except BadRequestError as err:
+            if err.err_code != NO_PLACEMENT:
+                raise
+            if attempt == CREATE_ATTEMPTS:
+                raise ReplicationError(
+                    f"cannot create {stream} with {want} replicas: no peers to place them "
+                    f"on after {CREATE_ATTEMPTS} attempts ({err})"
+                ) from err
+            log.info("stream_create_retry", stream=stream, attempt=attempt, reason=str(err))
+            await asyncio.sleep(PLACEMENT_BACKOFF_S * attempt)
     raise ReplicationError(f"cannot create {stream}: {CREATE_ATTEMPTS} attempts timed out")
 
 
