@@ -34,12 +34,11 @@ from nats.aio.msg import Msg
 from trainmover.bench.settings import harness_timeout_s
 from trainmover.localcluster import FAST_SIGNALS, LocalCluster
 from trainmover.messages import ClusterState, MigrationProgress, decode
+from trainmover.runtime.bench import CELL
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.launcher import REFERENCE_ENTRY
-from trainmover.runtime.layout import MachineRole
 from trainmover.subjects import JobSubjects
 
-CELL = MachineRole(dp=0, pp=0)
 CONTROL_PLANE = "services"
 T = TypeVar("T")
 
