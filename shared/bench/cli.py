@@ -1,4 +1,4 @@
-"""``trainmover bench [downtime|rebalance|scale|all] [options]``: the benchmark commands.
+"""``trainmover bench [downtime|rebalance|scale|hangs|state|all] [options]``: the benchmark commands.
 
 Without a sub-command (``make bench``), runs every benchmark at its default settings and
 writes bench-out/<name>.{json,md,png}.
@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from trainmover.bench import downtime, downtime_example, hangs, rebalance, scale
+from trainmover.bench import downtime, downtime_example, hangs, rebalance, scale, state
 
 #: sub-command -> (add its options, run it)
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
     "rebalance": (rebalance.add_arguments, rebalance.main),
     "scale": (scale.add_arguments, scale.main),
     "hangs": (hangs.add_arguments, hangs.main),
+    "state": (state.add_arguments, state.main),
 }  # fmt: skip
 HELP = {
     "downtime": "planned and failure downtime: TrainMover, ablations, torchrun, torchft "
@@ -26,6 +27,8 @@ HELP = {
     "rebalance": "training-time ratio with a migration every P seconds",
     "scale": "delta vs full group setup, measured 4-16 ranks and projected to 65,536",
     "hangs": "a hung machine: detection and downtime by hang kind, against the timeout",
+    "state": "downtime, throughput and memory of a migration from 16 MB to 4 GB of state "
+    "per rank, against the link and checkpoint-restart",
 }
 
 

@@ -32,6 +32,9 @@ class ModelConfig(BaseModel):
     seq_len: int = Field(default=16, ge=2)
     mlp_ratio: int = Field(default=4, ge=1)
     dropout: float = Field(default=0.1, ge=0.0, lt=1.0)
+    #: Bytes of an untrained block every rank's state carries besides its parameters
+    #: (a stand-in for a large model's state, for the state-size benchmark; 0: none).
+    extra_state_bytes: int = Field(default=0, ge=0)
 
 
 class TrainConfig(BaseModel):
@@ -83,6 +86,17 @@ class RuntimeConfig(BaseModel):
     #: step). Off only to measure its cost: without it a failure can leave replicas
     #: at different steps.
     commit_agreement: bool = True
+    #: Largest piece of a role's state on the wire in a peer transfer (MiB): what a
+    #: transfer needs beyond the state itself is a few of these.
+    transfer_chunk_mib: float = Field(default=64.0, gt=0)
+    #: A checksum per chunk, checked before the state is applied. It reads every byte
+    #: once more on each side: free where cores are spare, a quarter of the throughput
+    #: on a host whose cores are all busy moving the bytes (docs/benchmarks.md).
+    transfer_checksum: bool = True
+    #: After a recovery, each rank reports a digest of its replicated state (step,
+    #: parameters, optimizer) so tests can check that replicas agree. It reads the whole
+    #: state on the recovery's path: off unless a check needs it.
+    report_digest: bool = False
     #: Every N committed steps each rank writes a checkpoint (0: never); the fallback of
     #: a failure when a role has no data-parallel replica (DP=1).
     checkpoint_every: int = Field(default=0, ge=0)
@@ -107,6 +121,12 @@ class RuntimeConfig(BaseModel):
                 "directory record_dir"
             )
         return value
+
+    @property
+    def chunk_bytes(self) -> int:
+        """`transfer_chunk_mib` in bytes, a whole number of 8-byte words (so chunks of an
+        aligned tensor stay aligned)."""
+        return max(8, int(self.transfer_chunk_mib * 1024 * 1024) // 8 * 8)
 
 
 class ClusterConfig(BaseModel):

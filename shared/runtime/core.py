@@ -65,6 +65,10 @@ class Core:
     #: The rendezvous store; a standby learns it with `prepare` or `recover`.
     store_address: str = ""
     state: TrainingState | None = None
+    #: Set once the user's code has built its role and tracked its state (`track`): a
+    #: joiner is ready for its switch only then, so that building the model (seconds
+    #: for a large one) is part of phase 1, not of the downtime.
+    tracked: threading.Event = field(default_factory=threading.Event)
     #: Builds this process started that `Runtime.close` must know about.
     builders: list[GroupBuilder] = field(default_factory=list)
     #: The step whose state this rank took from a DP replica (a failure's joiner): its

@@ -84,8 +84,8 @@ def _finished(work: Any) -> bool:
 class Group:
     """One built incarnation of a group, with the collectives the runtime uses.
 
-    Every call waits for its work item; `send` returns a `PendingWork` instead so a
-    pipeline can post sends and wait for them later.
+    Every call waits for its work item; `send` and `irecv` return a `PendingWork`
+    instead so a pipeline or a stream can post them and wait for them later.
     """
 
     def __init__(
@@ -247,6 +247,10 @@ class Group:
         self._wait(self._post(lambda: self.backend.recv([tensor], peer, tag), peer, p2p=True))
         if self.tap is not None:
             self.tap(tag, tensor)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> PendingWork:
+        """A receive waited later (a stream of chunks); `tap` does not see it."""
+        return self._post(lambda: self.backend.recv([tensor], peer, tag), peer, p2p=True)
 
     def barrier(self) -> None:
         self._wait(self._post(lambda: self.backend.barrier(), None))

@@ -12,6 +12,8 @@ import structlog
 from trainmover import logs
 
 SERVICE = "runtime"
+
+_MIB = 1024 * 1024
 """The `service` key of every runtime log line (the services name their own)."""
 
 
@@ -24,3 +26,18 @@ def configure(level: str | None = None, stream: TextIO | None = None) -> None:
 def get_logger(**context: Any) -> structlog.stdlib.BoundLogger:
     """A runtime logger bound to `context` (job, machine, local_rank, plan_id...)."""
     return logs.get_logger(SERVICE, **context)
+
+
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory so far (VmHWM), in MiB; None where the system
+    does not say. Logged as a state transfer starts and once the migration is over
+    (and, for a stayer, at the commit), so what a transfer costs in memory on top of
+    training is read from the workers' own logs."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) * 1024 / _MIB, 1)
+    except OSError:
+        return None
+    return None

@@ -191,6 +191,10 @@ class StageModel(nn.Module):
         if self.last:
             self.ln_f = nn.LayerNorm(cfg.d_model)
             self.head = nn.Parameter(_normal((cfg.vocab_size, cfg.d_model), seed, "head"))
+        if cfg.extra_state_bytes >= 4:
+            # Distinct values per role (a misrouted chunk shows), equal across replicas.
+            block = torch.arange(cfg.extra_state_bytes // 4, dtype=torch.float32)
+            self.register_buffer("extra_state", block.add_(layout.tp * role.pp + role.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens (first stage) or hidden states -> hidden states or logits (last stage)."""

@@ -28,10 +28,13 @@ from collections.abc import Callable
 from typing import Literal
 
 from trainmover.runtime import control as c
+from trainmover.runtime.abort import StepAborted
 from trainmover.runtime.acceptance import Planned
 from trainmover.runtime.core import Core, SupervisorGone
 from trainmover.runtime.groups import Group, GroupBuilder, retire
+from trainmover.runtime.logs import peak_rss_mib
 from trainmover.runtime.switchvote import DROP, SWITCH, SwitchVote
+from trainmover.runtime.transfer import TransferError
 
 
 def transfer_group(built: list[Group]) -> Group:
@@ -79,12 +82,14 @@ class PlannedSwitch:
         threading.Thread(target=self._report_ready, args=(mig, builder), daemon=True).start()
         return c.PrepareAck(step=passed, building=building)
 
-    # -- 2. ready (waiter thread) ------------------------------------------------------
+    # -- 2. ready (waiter thread): groups built, and a joiner's role too ---------------
 
     def _report_ready(self, mig: Planned, builder: GroupBuilder) -> None:
         core = self.core
         try:
             built = builder.wait(core.timeout_s)
+            if mig.part == "joiner" and not core.tracked.wait(core.timeout_s):
+                raise TimeoutError(f"the role was not built within {core.timeout_s:.0f} s")
         except Exception as exc:
             core.log.error("prepare_failed", plan_id=mig.plan.plan_id, error=str(exc))
             core.conn.notify(c.PlanFailed(plan_id=mig.plan.plan_id, error=str(exc)))
@@ -129,7 +134,13 @@ class PlannedSwitch:
         if decision.part != "joiner" and not decision.retry:
             assert mig is not None
             vote.accept(msg.step, len(mig.plan.committers()))
-        core.log.info("commit", plan_id=msg.plan_id, step=msg.step, retry=decision.retry)
+        core.log.info(
+            "commit",
+            plan_id=msg.plan_id,
+            step=msg.step,
+            retry=decision.retry,
+            peak_rss_mib=peak_rss_mib(),
+        )
         return c.CommitAck(accepted=True, passed=passed)
 
     def _vote(self, plan_id: str) -> SwitchVote:
@@ -172,7 +183,11 @@ class PlannedSwitch:
         if mig.part == "leaver":
             self._leave()
             transfer = transfer_group(built)
-            stats = core.state.send(transfer, peer=1, extra={"epoch": core.signal.epoch})
+            core.log.info("transferring", plan_id=mig.plan.plan_id, peak_rss_mib=peak_rss_mib())
+            rt = core.config.runtime
+            stats = core.state.send(
+                transfer, 1, {"epoch": core.signal.epoch}, rt.chunk_bytes, rt.transfer_checksum
+            )
             transfer.shutdown()
             closed = [str(g["name"]) for g in core.groups.snapshot().values()]
             core.groups.shutdown()
@@ -210,7 +225,8 @@ class PlannedSwitch:
     def join(self) -> bool:
         """A joiner's phase 2: wait for the commit, receive the leaver's state, install
         its new groups; training then continues from the leaver's step. False when a
-        recovery superseded the migration before its commit (its leaver failed)."""
+        recovery superseded the migration before its commit, or its transfer failed (its
+        leaver died)."""
         core = self.core
         mig = core.accepted.planned
         assert mig is not None and core.state is not None
@@ -238,7 +254,11 @@ class PlannedSwitch:
         t_start = time.time()
         built = _builder(mig).wait(core.timeout_s)
         transfer = transfer_group(built)
-        stats = core.state.receive(transfer, peer=0)
+        core.log.info("transferring", plan_id=mig.plan.plan_id, peak_rss_mib=peak_rss_mib())
+        try:
+            stats = core.state.receive(transfer, peer=0)
+        except (StepAborted, TransferError) as exc:
+            return self._transfer_failed(mig, built, exc)
         built.remove(transfer)
         retire([transfer])
         del transfer
@@ -263,6 +283,27 @@ class PlannedSwitch:
         )
         return True
 
+    def _transfer_failed(self, mig: Planned, built: list[Group], exc: Exception) -> Literal[False]:
+        """The leaver's state did not arrive whole (it died mid-transfer, or a chunk
+        failed its checksum): nothing of it was applied, and this joiner never trains on
+        it. Its leaver's failure brings a recovery that keeps this joiner for the role,
+        with the state from the data-parallel replica; it is waited for here. The groups
+        built for the migration stay open until then: closing them would look to the
+        stayers, who switched to them, like this machine failing."""
+        core = self.core
+        core.log.warning("transfer_failed", plan_id=mig.plan.plan_id, error=str(exc)[:300])
+        try:
+            with core.cond:
+                came = core.cond.wait_for(
+                    lambda: core.accepted.recovering is not None or core.accepted.stopped,
+                    timeout=core.timeout_s,
+                )
+                if not came or core.accepted.recovering is None:
+                    raise SupervisorGone(f"no recovery after a failed transfer: {exc}") from exc
+        finally:
+            retire(built)
+        return False
+
     def _finish(self, mig: Planned, event: c.Switched) -> None:
         core = self.core
         core.log.info(
@@ -272,7 +313,9 @@ class PlannedSwitch:
             step=event.step,
             rebuilt=event.rebuilt,
             transfer_bytes=event.transfer_bytes,
+            transfer_s=round(event.transfer_s, 4),
             seconds=round(event.t_end - event.t_start, 4),
+            peak_rss_mib=peak_rss_mib(),
         )
         with core.cond:
             core.accepted.switched(mig)

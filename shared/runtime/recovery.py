@@ -32,6 +32,7 @@ from trainmover.runtime.abort import POLL_S
 from trainmover.runtime.acceptance import Recovering
 from trainmover.runtime.core import Core
 from trainmover.runtime.groups import BuildAbandoned, retire
+from trainmover.runtime.logs import peak_rss_mib
 from trainmover.runtime.plan import GroupSpec, Plan
 
 
@@ -128,12 +129,16 @@ class FailureRecovery:
             checkpoint.load(core.checkpoint_root, role, step, state)
             source = "checkpoint"
         else:
-            source = "replica"
+            source, rt = "replica", core.config.runtime
+            if pairs:
+                core.log.info("transferring", plan_id=plan.plan_id, peak_rss_mib=peak_rss_mib())
             for pair in pairs:
                 stats = (
                     state.receive(pair, peer=0)
                     if joiner
-                    else state.send(pair, peer=1, extra={"epoch": plan.plan_id})
+                    else state.send(
+                        pair, 1, {"epoch": plan.plan_id}, rt.chunk_bytes, rt.transfer_checksum
+                    )
                 )
                 transfer_bytes += stats.bytes
                 transfer_s += stats.seconds
@@ -158,7 +163,7 @@ class FailureRecovery:
             transfer_s=transfer_s,
             source=source,
             build_s=build_s,
-            digest=state.digest(),
+            digest=state.digest() if core.config.runtime.report_digest else "",
         )
         core.log.info(
             "recovered",
@@ -168,7 +173,10 @@ class FailureRecovery:
             source=source,
             rebuilt=event.rebuilt,
             repaired=event.repaired,
+            transfer_bytes=transfer_bytes,
+            transfer_s=round(transfer_s, 4),
             seconds=round(event.t_end - t_start, 4),
+            peak_rss_mib=peak_rss_mib(),
         )
         core.conn.notify(event)
 

@@ -5,16 +5,13 @@ parameters, optimizer state, the step counter, each stateful helper's state (the
 position) and every RNG state (torch's global one, CUDA's on a GPU, and the generators
 registered here). Parameters and optimizer state are read and written through
 `torch.distributed.checkpoint.state_dict`, the framework's own API.
-It travels as one JSON header plus one flat byte buffer, so a transfer is three messages
-whatever the model size, and the receiver checks names, shapes and dtypes against its own
-model before copying anything.
+It travels streamed, tensor by tensor in bounded chunks from its own storage
+(`trainmover.runtime.transfer`), and is restored only once it arrived whole.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -28,6 +25,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainmover.runtime.groups import Group
+from trainmover.runtime.transfer import (
+    CHUNK_BYTES,
+    TransferStats,
+    as_bytes,
+    receive_state,
+    send_state,
+)
 
 #: Separates a parameter's name from its optimizer state key in a tensor's name.
 _KEY = ":"
@@ -37,13 +41,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class TransferStats:
-    bytes: int
-    seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -157,53 +154,33 @@ class TrainingState:
         for name, t in self.named_tensors().items():
             if not name.startswith("rng."):
                 h.update(name.encode())
-                h.update(_as_bytes(t.cpu()).numpy().tobytes())
+                h.update(cast(Any, as_bytes(t.cpu()).numpy()).data)  # no copy of the tensor
         return h.hexdigest()[:16]
 
     # -- peer transfer -----------------------------------------------------------------
 
-    def send(self, group: Group, peer: int, extra: dict[str, Any] | None = None) -> TransferStats:
-        """Sends the whole state to `peer` (the joiner's rank in a transfer pair), with
+    def send(
+        self,
+        group: Group,
+        peer: int,
+        extra: dict[str, Any] | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+        checksums: bool = True,
+    ) -> TransferStats:
+        """Streams the whole state to `peer` (the joiner's rank in a transfer pair), with
         `extra` (the runtime's own JSON, e.g. the vote epoch) alongside."""
-        started = time.perf_counter()
-        tensors = self.named_tensors()
-        meta = {
-            "extra": extra or {},
-            "header": self.header(),
-            "tensors": [
-                [n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in tensors.items()
-            ],
-        }
-        device = _device_of(self.model)
-        meta_bytes = _bytes_tensor(json.dumps(meta).encode(), device)
-        payload = torch.cat([_as_bytes(t).to(device) for t in tensors.values()])
-        sizes = torch.tensor(
-            [meta_bytes.numel(), payload.numel()], dtype=torch.int64, device=device
+        tensors, device = self.named_tensors(), _device_of(self.model)
+        return send_state(
+            group, peer, self.header(), tensors, device, extra, chunk_bytes, checksums
         )
-        for tag, tensor in enumerate((sizes, meta_bytes, payload)):
-            group.send(tensor, peer, tag=tag).wait()
-        return TransferStats(bytes=int(payload.numel()), seconds=time.perf_counter() - started)
 
     def receive(self, group: Group, peer: int) -> TransferStats:
-        """Receives a state sent by `send` from `peer` and restores it; the sender's
-        `extra` is in the returned stats."""
-        started = time.perf_counter()
-        device = _device_of(self.model)
-        sizes = torch.empty(2, dtype=torch.int64, device=device)
-        group.recv(sizes, peer, tag=0)
-        meta_bytes = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
-        group.recv(meta_bytes, peer, tag=1)
-        payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
-        group.recv(payload, peer, tag=2)
-        meta = json.loads(bytes(meta_bytes.cpu().numpy()).decode())
-        tensors = _unpack(payload, meta["tensors"])
-        _check_matches(tensors, self.named_tensors())
-        self.restore(meta["header"], tensors)
-        return TransferStats(
-            bytes=int(payload.numel()),
-            seconds=time.perf_counter() - started,
-            extra=meta.get("extra", {}),
-        )
+        """Receives a state streamed by `send` from `peer` and restores it once it arrived
+        whole (`trainmover.runtime.transfer`); the sender's `extra` is in the returned
+        stats."""
+        received = receive_state(group, peer, self.named_tensors(), _device_of(self.model))
+        self.restore(received.header, received.tensors)
+        return received.stats
 
     # -- files -------------------------------------------------------------------------
 
@@ -227,33 +204,3 @@ def _like(own: Any, received: Any) -> Any:
 
 def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-
-
-def _unpack(payload: torch.Tensor, manifest: list[list[Any]]) -> dict[str, torch.Tensor]:
-    tensors, offset = {}, 0
-    for name, shape, dtype_name in manifest:
-        dtype = getattr(torch, dtype_name)
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        chunk = payload[offset : offset + nbytes].clone()
-        tensors[name] = chunk.view(dtype).reshape(shape)
-        offset += nbytes
-    return tensors
-
-
-def _check_matches(received: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
-    """The joiner must have built the same role: same parameter names and shapes. (Its
-    optimizer may not have state yet, so only the model part must match exactly.)"""
-    for name, t in own.items():
-        if name.startswith("model.") and (name not in received or received[name].shape != t.shape):
-            raise ValueError(f"state mismatch at {name}: the joiner built a different role")

@@ -225,6 +225,7 @@ class Runtime:
         self.torch.track(model)
         state = TrainingState(model, optimizer, stateful or {}, generators or {})
         self._core.state = state
+        self._core.tracked.set()
         optimizer.register_step_pre_hook(self._votes.before_optimizer_step)
         return state
 

@@ -16,7 +16,7 @@ from tests.e2e.conftest import TP1, WAIT_S, next_progress, progress_reaches
 from trainmover import bus
 from trainmover.client import MachineLeaving, UnknownMachine
 from trainmover.localcluster import LocalCluster as Cluster
-from trainmover.messages import Command, DrainEvent, StragglerEvent
+from trainmover.messages import Command, DrainEvent, MigrationProgress, StragglerEvent
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -193,5 +193,42 @@ async def test_a_straggler_is_moved_and_a_failure_without_standby_falls_back(
 async def _next_straggler(items) -> StragglerEvent:
     async for item in items:
         if isinstance(item, StragglerEvent):
+            return item
+    raise AssertionError("watch ended")
+
+
+@pytest.mark.parametrize("config", [TP1])
+async def test_a_leaver_killed_mid_transfer_is_recovered_into_the_same_joiner(
+    tmp_path, config, reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """m1 is drained and dies after the first chunks of its state went out: the joiner
+    applies nothing of it, the drain is aborted, and the recovery of m1 keeps that joiner and
+    sends it the state from m1's replica (m3); the job ends bit-identical."""
+    monkeypatch.setenv("TM_TEST_FAULT", "m1@*:transfer")
+    async with Cluster(config, tmp_path, log_dir=tmp_path / "services") as cluster:
+        await cluster.wait_step("m1", 10, WAIT_S)
+        await cluster.wait_standbys_warm(WAIT_S)
+        drain = await cluster.client.drain(cluster.job, "m1", reason="dies mid-transfer")
+        failed = await cluster.client.wait_for_migration(cluster.job, drain, WAIT_S)
+        assert failed.state == "aborted" and "from a replica" in failed.detail, failed.detail
+        assert failed.joiner is not None
+        async with cluster.client.watch(cluster.job, from_start=True) as items:
+            done = await asyncio.wait_for(_next_done(items, "m1", other_than=drain), WAIT_S)
+        assert done.moves == {"m1": failed.joiner}, done.detail
+        logs = "".join(p.read_text() for p in tmp_path.rglob(f"{failed.joiner}-*.log"))
+        assert '"event": "transfer_failed"' in logs
+        assert '"source": "replica"' in logs  # its recovery took the state from m3
+        step, _ = await cluster.finish_soon(WAIT_S)
+        assert cluster.mismatches(await reference(step), step) == []
+
+
+async def _next_done(items, leaver: str, other_than: str) -> MigrationProgress:
+    async for item in items:
+        if (
+            isinstance(item, MigrationProgress)
+            and item.state == "done"
+            and leaver in item.moves
+            and item.event_id != other_than
+        ):
             return item
     raise AssertionError("watch ended")

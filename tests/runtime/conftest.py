@@ -65,7 +65,7 @@ WAIT_S = 400.0
 
 CONFIG = JobConfig(job="runtime-test").with_updates(
     train={"steps": 100, "dump_steps": DUMP_STEPS},
-    runtime={"group_timeout_s": 60, "failure_timeout_s": 60},
+    runtime={"group_timeout_s": 60, "failure_timeout_s": 60, "report_digest": True},
 )
 
 #: The smallest job with a DP replica: two machines of one rank (1 x 1 x 2).

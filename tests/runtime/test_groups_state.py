@@ -35,9 +35,11 @@ def client(store):
     return TCPStore("127.0.0.1", store.port, is_master=False)
 
 
-def build_pair(store, s):
+def build_pair(store, s, timeout_s=10):
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(build_group, s, m, client(store), "j", CPU, 10) for m in s.members]
+        futures = [
+            pool.submit(build_group, s, m, client(store), "j", CPU, timeout_s) for m in s.members
+        ]
         return [f.result() for f in futures]
 
 
@@ -130,3 +132,124 @@ def test_joiner_continues_bit_identically_after_transfer(store):
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+def transfer_pair(store, timeout_s=10):
+    """A leaver's and a joiner's ends of a transfer pair (`timeout_s`: how long a side
+    waits for a peer that stopped sending)."""
+    return build_pair(store, spec("transfer.p2.r0", 0, A, B, kind="transfer"), timeout_s)
+
+
+def send_in_thread(state, group, **kwargs):
+    errors = []
+
+    def run():
+        try:
+            state.send(group, 1, **kwargs)
+        except Exception as exc:  # the test inspects what the sender hit
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="sender", daemon=True)
+    thread.start()
+    return thread, errors
+
+
+@pytest.mark.parametrize(
+    ("joiner_trained", "checksums"), [(False, True), (True, True), (True, False)]
+)
+def test_a_streamed_transfer_lands_in_the_joiners_own_tensors(store, joiner_trained, checksums):
+    """Chunks far smaller than a tensor (and not a multiple of a word): each tensor
+    arrives in pieces, straight into the joiner's own parameter and optimizer storage
+    when it has them, and training continues bit-identically."""
+    leaver, joiner, reference = make_state(1), make_state(2), make_state(1)
+    train(leaver, 3)
+    train(reference, 3)
+    if joiner_trained:
+        train(joiner, 1)  # a standby's shadow iterations gave it optimizer state
+    storage = {
+        n: t.data_ptr() for n, t in joiner.named_tensors().items() if not n.startswith("rng.")
+    }
+    left, joined = transfer_pair(store)
+    sender, errors = send_in_thread(leaver, left, chunk_bytes=13, checksums=checksums)
+    stats = joiner.receive(joined, 0)
+    sender.join(30)
+    assert not errors
+    assert stats.chunks > len(storage) and stats.bytes == sum(
+        t.numel() * t.element_size() for t in leaver.named_tensors().values()
+    )
+    after = joiner.named_tensors()
+    assert all(after[n].data_ptr() == p for n, p in storage.items())
+    train(joiner, 2)
+    train(reference, 2)
+    ours, theirs = joiner.named_tensors(), reference.named_tensors()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def untouched(state):
+    """What a transfer must not change unless it completes: step, optimizer, RNGs."""
+    return (state.step, len(state.optimizer.state), state.generators["dropout"].get_state())
+
+
+def test_a_transfer_cut_midway_leaves_the_joiner_unapplied(store, monkeypatch):
+    """The sender dies after a few chunks: the joiner's receive fails, and its step,
+    optimizer and RNGs are as before (it never trains on half a state)."""
+    from trainmover.runtime import transfer
+
+    leaver, joiner = make_state(1), make_state(2)
+    train(leaver, 3)
+    before = untouched(joiner)
+    real = transfer._checksum
+    left, joined = transfer_pair(store, timeout_s=2)
+
+    def dies_after_three(chunk, index):
+        if threading.current_thread().name == "sender" and index == 3:
+            left.shutdown()  # its connection closes as a killed process's would
+            raise RuntimeError("sender killed")
+        return real(chunk, index)
+
+    monkeypatch.setattr(transfer, "_checksum", dies_after_three)
+    sender, _ = send_in_thread(leaver, left, chunk_bytes=16)
+    with pytest.raises(RuntimeError):
+        joiner.receive(joined, 0)
+    sender.join(30)
+    step, optim, rng = untouched(joiner)
+    assert (step, optim) == before[:2] and torch.equal(rng, before[2])
+
+
+def test_a_corrupted_chunk_fails_the_transfer_unapplied(store, monkeypatch):
+    from trainmover.runtime import transfer
+
+    leaver, joiner = make_state(1), make_state(2)
+    train(leaver, 3)
+    before = untouched(joiner)
+    real = transfer._checksum
+
+    def wrong_for_chunk_two(chunk, index):
+        value = real(chunk, index)
+        return value + 1 if threading.current_thread().name == "sender" and index == 2 else value
+
+    monkeypatch.setattr(transfer, "_checksum", wrong_for_chunk_two)
+    left, joined = transfer_pair(store)
+    sender, errors = send_in_thread(leaver, left, chunk_bytes=16)
+    with pytest.raises(transfer.TransferError, match="first: 2"):
+        joiner.receive(joined, 0)
+    sender.join(30)
+    step, optim, rng = untouched(joiner)
+    assert (step, optim) == before[:2] and torch.equal(rng, before[2])
+
+
+def test_a_joiner_of_another_role_refuses_before_any_tensor_byte(store):
+    from trainmover.runtime.state import TrainingState
+
+    leaver = make_state(1)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    joiner = TrainingState(other, torch.optim.Adam(other.parameters()))
+    weight = other[0].weight.detach().clone()
+    left, joined = transfer_pair(store, timeout_s=2)
+    sender, _ = send_in_thread(leaver, left)
+    with pytest.raises(ValueError, match="model.0.weight"):
+        joiner.receive(joined, 0)
+    joined.shutdown()
+    sender.join(30)
+    assert torch.equal(other[0].weight, weight)
