@@ -283,10 +283,10 @@ def table(result: Result) -> str:
             [[c["case"], c["state_gb"], c["transfer_s"], c["planned_downtime_s"]]
              for c in projection["cases"]],
         )  # fmt: skip
-    if result.data["unavailable"]:
-        out += "\nNot measured\n\n" + markdown_table(
-            ["key", "reason"], [[k, v] for k, v in result.data["unavailable"].items()]
-        )
+    missing = [[human(r["size_bytes"]), system, reason]
+               for r in rows for system, reason in r.get("not_measured", {}).items()]  # fmt: skip
+    if missing:
+        out += "\nNot measured\n\n" + markdown_table(["size", "system", "reason"], missing)
     return out
 
 
