@@ -7,7 +7,8 @@ data-parallel replica) with a tiny model and an untrained block of `size` bytes 
 rank's state (`model.extra_state_bytes`), so that only the state's size changes between
 sizes. For each size, one after the other (one system trains at a time on these cores):
 
-- link: raw gloo send/recv of the same bytes between two processes (`link_probe`);
+- link: raw gloo send/recv of the same bytes between two processes, and the runtime's
+  streamed transfer alone between the same two processes (`link_probe`);
 - TrainMover, through the services (`services_runs`): a drain of m0 (planned: the state
   from the leaver) and then a SIGKILL of the machine that took its place (failure: the
   state from the replica m1); downtime from the executor's progress; transfer seconds
@@ -102,13 +103,15 @@ def job_config(size: int, chunk_mib: float) -> JobConfig:
     )
 
 
-def link(size: int, repeats: int) -> dict[str, Any]:
-    """Raw gloo: seconds per transfer of `size` bytes between two processes."""
+def link(size: int, repeats: int, chunk_mib: float) -> dict[str, Any]:
+    """Raw gloo, and the runtime's transfer alone: seconds per transfer of `size` bytes
+    between two processes."""
     port = ckpt_restart.free_port()
 
     def probe(rank: int) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "trainmover.bench.link_probe", "--rank", str(rank),
-               "--port", str(port), "--bytes", str(size), "--repeats", str(repeats)]  # fmt: skip
+               "--port", str(port), "--bytes", str(size), "--repeats", str(repeats),
+               "--chunk-bytes", str(int(chunk_mib * (1 << 20)) // 8 * 8)]  # fmt: skip
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
     sender, receiver = probe(0), probe(1)
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> Result:
         measured: dict[str, Any] = {"size_bytes": size}
         unchecked = config.with_updates(runtime={"transfer_checksum": False})
         systems = {
-            "link": partial(link, size, args.link_repeats),
+            "link": partial(link, size, args.link_repeats, args.chunk_mib),
             "trainmover": partial(trainmover, config, run_dir / f"tm-{label}", args.warm_steps),
             "trainmover_no_checksum": partial(
                 trainmover, unchecked, run_dir / f"tm-nosum-{label}", args.warm_steps, False
@@ -251,6 +254,7 @@ COLUMNS = [
     ("transfer_gbps", "transfer Gb/s"),
     ("ratio_to_link", "ratio to link"),
     ("ratio_to_link_no_checksum", "ratio, no checksum"),
+    ("streamed_alone_ratio", "transfer code alone / link"),
     ("leaver_overhead_mib", "leaver +MiB"),
     ("joiner_overhead_mib", "joiner +MiB"),
     ("replica_overhead_mib", "replica +MiB"),

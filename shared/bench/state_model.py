@@ -55,6 +55,14 @@ def size_row(measured: dict[str, Any], chunk_mib: float) -> dict[str, Any]:
         _ok(measured.get("ckpt")),
     )
     row["link_gbps"] = gbps(size, statistics.median(link["seconds"])) if link else None
+    for key in ("streamed", "streamed_no_checksum"):
+        samples = link.get(f"{key}_seconds") if link else None
+        row[f"{key}_alone_gbps"] = gbps(size, statistics.median(samples)) if samples else None
+    row["streamed_alone_ratio"] = (
+        row["streamed_alone_gbps"] / row["link_gbps"]
+        if row["streamed_alone_gbps"] and row["link_gbps"]
+        else None
+    )
     planned = tm["planned"] if tm else None
     failure = tm["failure"] if tm else None
     if planned:

@@ -42,7 +42,11 @@ def measured(size: int, transfer_s: float, link_s: float, joiner_peak: float) ->
                           "m0": {"before": 900.0, "after": 900.2, "transfer_s": 1.0}}}  # fmt: skip
     return {
         "size_bytes": size,
-        "link": {"bytes": size, "seconds": [link_s, link_s / 2, link_s * 2]},
+        "link": {
+            "bytes": size,
+            "seconds": [link_s, link_s / 2, link_s * 2],
+            "streamed_seconds": [link_s * 1.25] * 3,
+        },
         "trainmover": {"planned": planned, "failure": failure},
         "trainmover_no_checksum": "not chosen (--systems)",
         "ckpt": {"downtime_s": 30.0, "phases_s": {"save": 5.0}},
@@ -54,6 +58,8 @@ def test_a_row_reads_throughput_from_the_joiners_receive_and_memory_above_the_st
     assert row["transfer_gbps"] == pytest.approx(GIB * 8 / 1e9)
     assert row["link_gbps"] == pytest.approx(GIB * 8 / 1e9 / 0.8)  # the median repeat
     assert row["ratio_to_link"] == pytest.approx(0.8)
+    assert row["streamed_alone_ratio"] == pytest.approx(0.8)
+    assert row["streamed_no_checksum_alone_gbps"] is None  # not in this probe's output
     assert row["joiner_overhead_mib"] == pytest.approx(0.9)
     assert row["leaver_overhead_mib"] == pytest.approx(0.5)
     assert row["stayer_overhead_mib"] == 0.0
