@@ -176,11 +176,19 @@ def _destinations(
 ) -> dict[str, torch.Tensor]:
     """Where each incoming tensor is written: our own tensor of the same shape and dtype,
     else a fresh one. The sender must have built the same role: same parameter names and
-    shapes (our optimizer may not have state yet, so only the model part must match)."""
+    shapes and dtypes (our optimizer may not have state yet, so only the model part must
+    match); the error names the first difference."""
     incoming = {name: (tuple(shape), getattr(torch, dtype)) for name, shape, dtype in manifest}
     for name, t in own.items():
-        if name.startswith("model.") and incoming.get(name, (None, None))[0] != tuple(t.shape):
-            raise ValueError(f"state mismatch at {name}: the joiner built a different role")
+        if not name.startswith("model."):
+            continue
+        theirs = incoming.get(name)
+        if theirs != (tuple(t.shape), t.dtype):
+            sent = "nothing" if theirs is None else f"{list(theirs[0])} {theirs[1]}"
+            raise ValueError(
+                f"state mismatch at {name}: the joiner built {list(t.shape)} {t.dtype}, the "
+                f"sender sent {sent} (a different role)"
+            )
     out: dict[str, torch.Tensor] = {}
     for name, (shape, dtype) in incoming.items():
         mine = own.get(name)

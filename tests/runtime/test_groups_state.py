@@ -239,16 +239,27 @@ def test_a_corrupted_chunk_fails_the_transfer_unapplied(store, monkeypatch):
     assert (step, optim) == before[:2] and torch.equal(rng, before[2])
 
 
-def test_a_joiner_of_another_role_refuses_before_any_tensor_byte(store):
+@pytest.mark.parametrize(
+    ("other", "named"),
+    [
+        (lambda: torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2)), r"\[5, 4\]"),
+        (
+            lambda: torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).double(),
+            r"\[3, 4\] torch.float64, the sender sent \[3, 4\] torch.float32",
+        ),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_a_joiner_of_another_role_refuses_before_any_tensor_byte(store, other, named):
     from trainmover.runtime.state import TrainingState
 
     leaver = make_state(1)
-    other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    other = other()
     joiner = TrainingState(other, torch.optim.Adam(other.parameters()))
     weight = other[0].weight.detach().clone()
     left, joined = transfer_pair(store, timeout_s=2)
     sender, _ = send_in_thread(leaver, left)
-    with pytest.raises(ValueError, match="model.0.weight"):
+    with pytest.raises(ValueError, match=f"model.0.weight: the joiner built {named}"):
         joiner.receive(joined, 0)
     joined.shutdown()
     sender.join(30)
