@@ -4,8 +4,9 @@ loopback, and the runtime's streamed transfer alone between the same two process
     python -m trainmover.bench.link_probe --rank R --port P --bytes N --repeats K
 
 Rank 0 sends N bytes to rank 1, K times each way of sending, alternating: raw (one gloo
-send of the whole buffer, as pieces of at most 1 GiB all posted at once: no 32-bit size
-anywhere), then `trainmover.runtime.transfer` with its per-chunk checksums and without.
+send of the whole buffer over one connection, as pieces of at most 1 GiB all posted at
+once: no 32-bit size anywhere), then `trainmover.runtime.transfer` over the pair's
+connections (`runtime.transfer_connections`) with its per-chunk checksums and without.
 Rank 1 prints the seconds of each as one JSON line. Both buffers are written before the
 first transfer, as a joiner's own parameters are. With no TrainMover service running
 beside it, the streamed figures tell what the transfer code costs from what the rest of
@@ -22,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainmover.runtime.config import RuntimeConfig
 from trainmover.runtime.groups import Group, build_group
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.transfer import CHUNK_BYTES, receive_state, send_state
@@ -59,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     store = dist.TCPStore("127.0.0.1", args.port, 2, args.rank == 0, timedelta(seconds=300))
     spec = GroupSpec(name="transfer.probe", kind="transfer", generation=0, members=MEMBERS)
-    group = build_group(spec, MEMBERS[args.rank], store, "probe", CPU, 600)
+    # Raw gloo over the pair's first connection; the runtime's transfer over all of its
+    # connections (its default), as in a migration.
+    connections = RuntimeConfig().transfer_connections
+    group = build_group(spec, MEMBERS[args.rank], store, "probe", CPU, 600, None, connections)
     buffer = torch.full((args.bytes,), args.rank + 1, dtype=torch.uint8)
     ways = {
         "seconds": lambda: _raw(group, args.rank, buffer),

@@ -93,6 +93,9 @@ class RuntimeConfig(BaseModel):
     #: once more on each side: free where cores are spare, a quarter of the throughput
     #: on a host whose cores are all busy moving the bytes (docs/benchmarks.md).
     transfer_checksum: bool = True
+    #: Connections of a transfer pair (gloo; NCCL picks its own): chunks take turns
+    #: over them. Two raised loopback throughput 1.4x here (docs/benchmarks.md).
+    transfer_connections: int = Field(default=2, ge=1, le=8)
     #: After a recovery, each rank reports a digest of its replicated state (step,
     #: parameters, optimizer) so tests can check that replicas agree. It reads the whole
     #: state on the recovery's path: off unless a check needs it.

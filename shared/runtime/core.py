@@ -96,7 +96,14 @@ class Core:
     def builder(self, specs: list[GroupSpec], name: str) -> GroupBuilder:
         """Starts building `specs` in the background."""
         builder = GroupBuilder(
-            specs, self.me, self.store(), self.config.job, self.device, self.timeout_s, self.signal
+            specs,
+            self.me,
+            self.store(),
+            self.config.job,
+            self.device,
+            self.timeout_s,
+            self.signal,
+            self.config.runtime.transfer_connections,
         )
         # A troubled build is kept to the end: `close` decides how the process exits.
         self.builders = [b for b in self.builders if b.troubled] + [builder]

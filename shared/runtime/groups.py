@@ -320,13 +320,26 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 
 def _make_backend(
-    store: dist.Store, rank: int, size: int, timeout: timedelta, device: torch.device
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    device: torch.device,
+    connections: int = 1,
 ) -> Backend:
+    """NCCL on CUDA; else gloo with `connections` devices, each its own connection to
+    every peer with its own I/O thread (gloo maps a tag to one of them)."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if connections == 1:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    cls: Any = dist.ProcessGroupGloo  # its stubs lack the options class
+    gloo = cls._Options()
+    gloo._timeout = timeout
+    gloo._devices = [cls.create_default_device() for _ in range(connections)]
+    return cls(store, rank, size, gloo)
 
 
 def build_group(
@@ -337,10 +350,12 @@ def build_group(
     device: torch.device,
     timeout_s: float,
     signal: AbortSignal | None = None,
+    transfer_connections: int = 1,
 ) -> Group:
     """Claims my slot of `spec` in the store, then joins the group (blocks until all
-    members arrived). Safe to call from a background thread: the backend constructor
-    releases the GIL, so training on the main thread keeps going."""
+    members arrived); a transfer pair with `transfer_connections` connections. Safe to
+    call from a background thread: the backend constructor releases the GIL, so
+    training on the main thread keeps going."""
     rank = spec.group_rank(me)
     if rank is None:
         raise ValueError(f"{me} is not a member of {spec.name}")
@@ -351,7 +366,9 @@ def build_group(
             f"{spec.name} g{spec.generation} rank {rank} belongs to {owner}, not {me}"
         )
     started = time.perf_counter()
-    backend = _make_backend(prefixed, rank, len(spec.members), timedelta(seconds=timeout_s), device)
+    connections = transfer_connections if spec.kind == "transfer" else 1
+    timeout = timedelta(seconds=timeout_s)
+    backend = _make_backend(prefixed, rank, len(spec.members), timeout, device, connections)
     return Group(spec, rank, backend, time.perf_counter() - started, signal)
 
 
@@ -417,6 +434,7 @@ class GroupBuilder:
     device: torch.device
     timeout_s: float
     signal: AbortSignal | None = None
+    transfer_connections: int = 1
     built: list[Group] = field(default_factory=list)
     error: BaseException | None = None
     started: float = 0.0
@@ -442,6 +460,7 @@ class GroupBuilder:
                         self.device,
                         self.timeout_s,
                         self.signal,
+                        self.transfer_connections,
                     )
                 )
         except BaseException as exc:  # reported to the caller, never swallowed

@@ -38,7 +38,11 @@ CHUNK_BYTES = 64 * 1024 * 1024
 #: Chunks posted and not yet completed, per side: enough to keep the link busy while
 #: the next chunk's checksum is computed.
 WINDOW = 4
-_TAG_SIZES, _TAG_MANIFEST, _TAG_DATA, _TAG_SUMS = 0, 1, 2, 3
+_TAG_SIZES, _TAG_MANIFEST, _TAG_SUMS = 0, 1, 2
+#: Chunk i goes under tag _TAG_DATA + i % LANES: gloo maps a tag to one of a pair's
+#: connections (tag modulo their number), so consecutive chunks take turns over them;
+#: with fewer connections the tags still keep each lane's chunks in order.
+_TAG_DATA, LANES = 8, 8
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
 
@@ -98,7 +102,7 @@ def send_state(
         wire = staging.outgoing(chunk, posted)
         if checksums:
             sums.append(_checksum(wire, chunks))
-        posted.append(group.send(wire, peer, _TAG_DATA))
+        posted.append(group.send(wire, peer, _TAG_DATA + chunks % LANES))
         total, chunks = total + chunk.numel(), chunks + 1
         if chunks == 2:
             fault.point("transfer")  # test-only: the sender dies mid-transfer
@@ -146,7 +150,8 @@ def receive_state(
             while posted:  # the one staging buffer is free again
                 complete()
         wire = staging.incoming(chunk)
-        posted.append((group.irecv(wire, peer, _TAG_DATA), wire, None if wire is chunk else chunk))
+        lane = _TAG_DATA + chunks % LANES
+        posted.append((group.irecv(wire, peer, lane), wire, None if wire is chunk else chunk))
         total, chunks = total + chunk.numel(), chunks + 1
         while len(posted) > WINDOW:
             complete()

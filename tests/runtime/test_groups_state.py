@@ -35,10 +35,11 @@ def client(store):
     return TCPStore("127.0.0.1", store.port, is_master=False)
 
 
-def build_pair(store, s, timeout_s=10):
+def build_pair(store, s, timeout_s=10, connections=1):
     with ThreadPoolExecutor(2) as pool:
         futures = [
-            pool.submit(build_group, s, m, client(store), "j", CPU, timeout_s) for m in s.members
+            pool.submit(build_group, s, m, client(store), "j", CPU, timeout_s, None, connections)
+            for m in s.members
         ]
         return [f.result() for f in futures]
 
@@ -134,10 +135,11 @@ def test_joiner_continues_bit_identically_after_transfer(store):
         assert torch.equal(ours[name], theirs[name]), name
 
 
-def transfer_pair(store, timeout_s=10):
+def transfer_pair(store, timeout_s=10, connections=1):
     """A leaver's and a joiner's ends of a transfer pair (`timeout_s`: how long a side
     waits for a peer that stopped sending)."""
-    return build_pair(store, spec("transfer.p2.r0", 0, A, B, kind="transfer"), timeout_s)
+    pair = spec("transfer.p2.r0", 0, A, B, kind="transfer")
+    return build_pair(store, pair, timeout_s, connections)
 
 
 def send_in_thread(state, group, **kwargs):
@@ -155,12 +157,16 @@ def send_in_thread(state, group, **kwargs):
 
 
 @pytest.mark.parametrize(
-    ("joiner_trained", "checksums"), [(False, True), (True, True), (True, False)]
+    ("joiner_trained", "checksums", "connections"),
+    [(False, True, 1), (True, True, 2), (True, False, 3)],
 )
-def test_a_streamed_transfer_lands_in_the_joiners_own_tensors(store, joiner_trained, checksums):
-    """Chunks far smaller than a tensor (and not a multiple of a word): each tensor
-    arrives in pieces, straight into the joiner's own parameter and optimizer storage
-    when it has them, and training continues bit-identically."""
+def test_a_streamed_transfer_lands_in_the_joiners_own_tensors(
+    store, joiner_trained, checksums, connections
+):
+    """Chunks far smaller than a tensor (and not a multiple of a word), over one or more
+    connections: each tensor arrives in pieces, in order, straight into the joiner's own
+    parameter and optimizer storage when it has them, and training continues
+    bit-identically."""
     leaver, joiner, reference = make_state(1), make_state(2), make_state(1)
     train(leaver, 3)
     train(reference, 3)
@@ -169,7 +175,7 @@ def test_a_streamed_transfer_lands_in_the_joiners_own_tensors(store, joiner_trai
     storage = {
         n: t.data_ptr() for n, t in joiner.named_tensors().items() if not n.startswith("rng.")
     }
-    left, joined = transfer_pair(store)
+    left, joined = transfer_pair(store, connections=connections)
     sender, errors = send_in_thread(leaver, left, chunk_bytes=13, checksums=checksums)
     stats = joiner.receive(joined, 0)
     sender.join(30)
