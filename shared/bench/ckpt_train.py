@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from trainmover.bench.role import EventWriter, build_role
+from trainmover.runtime.build import build_group
 from trainmover.runtime.config import load_config
-from trainmover.runtime.groups import GroupTable, build_group
+from trainmover.runtime.groups import GroupTable
 from trainmover.runtime.layout import Role
 from trainmover.runtime.pgs import ProcessGroups
 from trainmover.runtime.plan import RankRef, group_specs

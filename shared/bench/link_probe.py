@@ -23,8 +23,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainmover.runtime.build import build_group
 from trainmover.runtime.config import RuntimeConfig
-from trainmover.runtime.groups import Group, build_group
+from trainmover.runtime.groups import Group
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.transfer import CHUNK_BYTES, receive_state, send_state
 

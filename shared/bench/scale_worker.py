@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover.bench.settings import parse_layout
-from trainmover.runtime.groups import build_group
+from trainmover.runtime.build import build_group
 from trainmover.runtime.layout import Layout, MachineRole
 from trainmover.runtime.plan import GroupSpec, RankRef, group_specs
 

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from trainmover.runtime import control as c
 from trainmover.runtime.abort import AbortSignal
 from trainmover.runtime.acceptance import Acceptance
+from trainmover.runtime.build import GroupBuilder
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.groups import GroupBuilder, GroupTable
+from trainmover.runtime.groups import GroupTable
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.sandbox import RecordStore

@@ -6,6 +6,9 @@ store namespaced by (job, group, generation). Before joining, a rank claims its 
 in the store with compare-and-set, so the store (hosted off the training machines) is the
 arbiter: a rank of an old generation, or any second claimant, can never join.
 
+Building one (the store claim, the backend, background builds) is
+`trainmover.runtime.build`.
+
 A rank's `GroupTable` maps each group kind (tp, pp, dp) to its current `Group`. Swapping
 replaces only the named kinds; every other entry stays the very same object.
 
@@ -19,18 +22,14 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from trainmover.runtime import fault
-from trainmover.runtime.abort import POLL_S, WAITER, AbortSignal, CollectiveError, StepAborted
-from trainmover.runtime.plan import GroupSpec, RankRef
+from trainmover.runtime.abort import WAITER, AbortSignal, CollectiveError, StepAborted
+from trainmover.runtime.plan import GroupSpec
 from trainmover.runtime.steptime import IN_FLIGHT, WAITS, InFlightSpan
 
 _incarnations = itertools.count(1)
@@ -39,11 +38,6 @@ _incarnations = itertools.count(1)
 #: wrappers). Any: their type stubs lack send/recv/barrier, and NCCL's class does not
 #: exist in CPU builds.
 Backend = Any
-
-
-class BuildAbandoned(RuntimeError):
-    """The caller stopped waiting for a build (its plan was superseded); the groups the
-    builder finishes are shut down, never installed."""
 
 
 class StaleMemberError(RuntimeError):
@@ -312,66 +306,6 @@ def retire(groups: list[Group]) -> None:
     _REAPER.put(batch)
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    """cuda:<local_rank> (NCCL groups) when asked or available, else cpu (gloo groups)."""
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
-
-
-def _make_backend(
-    store: dist.Store,
-    rank: int,
-    size: int,
-    timeout: timedelta,
-    device: torch.device,
-    connections: int = 1,
-) -> Backend:
-    """NCCL on CUDA; else gloo with `connections` devices, each its own connection to
-    every peer with its own I/O thread (gloo maps a tag to one of them)."""
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    if connections == 1:
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    cls: Any = dist.ProcessGroupGloo  # its stubs lack the options class
-    gloo = cls._Options()
-    gloo._timeout = timeout
-    gloo._devices = [cls.create_default_device() for _ in range(connections)]
-    return cls(store, rank, size, gloo)
-
-
-def build_group(
-    spec: GroupSpec,
-    me: RankRef,
-    store: dist.Store,
-    job: str,
-    device: torch.device,
-    timeout_s: float,
-    signal: AbortSignal | None = None,
-    transfer_connections: int = 1,
-) -> Group:
-    """Claims my slot of `spec` in the store, then joins the group (blocks until all
-    members arrived); a transfer pair with `transfer_connections` connections. Safe to
-    call from a background thread: the backend constructor releases the GIL, so
-    training on the main thread keeps going."""
-    rank = spec.group_rank(me)
-    if rank is None:
-        raise ValueError(f"{me} is not a member of {spec.name}")
-    prefixed = dist.PrefixStore(spec.store_prefix(job), store)
-    owner = prefixed.compare_set(f"claim/{rank}", "", str(me)).decode()
-    if owner != str(me):
-        raise StaleMemberError(
-            f"{spec.name} g{spec.generation} rank {rank} belongs to {owner}, not {me}"
-        )
-    started = time.perf_counter()
-    connections = transfer_connections if spec.kind == "transfer" else 1
-    timeout = timedelta(seconds=timeout_s)
-    backend = _make_backend(prefixed, rank, len(spec.members), timeout, device, connections)
-    return Group(spec, rank, backend, time.perf_counter() - started, signal)
-
-
 class GroupTable:
     """A rank's current groups, by kind. The model looks groups up here at call time, so
     a swap at a step boundary is seen by the next step."""
@@ -418,102 +352,3 @@ class GroupTable:
     def snapshot(self) -> dict[str, dict[str, object]]:
         """kind -> name, generation, incarnation: what tests compare across a migration."""
         return {kind: g.describe() for kind, g in sorted(self._groups.items())}
-
-
-@dataclass
-class GroupBuilder:
-    """Builds a list of groups in a background thread (phase 1 of the switch).
-
-    The specs are built in the order given, which callers take from
-    `Plan.specs_for` (a global order, so no two ranks wait on each other)."""
-
-    specs: list[GroupSpec]
-    me: RankRef
-    store: dist.Store
-    job: str
-    device: torch.device
-    timeout_s: float
-    signal: AbortSignal | None = None
-    transfer_connections: int = 1
-    built: list[Group] = field(default_factory=list)
-    error: BaseException | None = None
-    started: float = 0.0
-    elapsed_s: float = 0.0
-    _done: threading.Event = field(default_factory=threading.Event)
-    _discarded: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def start(self, name: str = "group-builder") -> GroupBuilder:
-        self.started = time.perf_counter()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            for spec in self.specs:
-                self.built.append(
-                    build_group(
-                        spec,
-                        self.me,
-                        self.store,
-                        self.job,
-                        self.device,
-                        self.timeout_s,
-                        self.signal,
-                        self.transfer_connections,
-                    )
-                )
-        except BaseException as exc:  # reported to the caller, never swallowed
-            self.error = exc
-        finally:
-            self.elapsed_s = time.perf_counter() - self.started
-            with self._lock:
-                self._done.set()
-                discarded = self._discarded
-            if discarded or self.error is not None:  # nobody will install these groups
-                self._shutdown_built()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout_s: float, abandon: Callable[[], bool] | None = None) -> list[Group]:
-        """The built groups; raises the build error, or TimeoutError. With `abandon`,
-        checked every POLL_S: once it is true the build is discarded (BuildAbandoned),
-        so a rendezvous with a member that will never come does not hold the caller."""
-        deadline = time.monotonic() + timeout_s
-        while not self._done.wait(POLL_S if abandon is not None else timeout_s):
-            if abandon is not None and abandon():
-                self.discard()
-                raise BuildAbandoned(f"stopped waiting for {[s.name for s in self.specs]}")
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"groups {[s.name for s in self.specs]} not built in {timeout_s}s"
-                )
-        if self.error is not None:
-            raise self.error
-        return self.built
-
-    def discard(self) -> None:
-        """Nobody will install these groups: shut down what is built, now or when the
-        build ends (a gloo group alive at exit can abort the process)."""
-        with self._lock:
-            self._discarded = True
-            done = self._done.is_set()
-        if done:
-            self._shutdown_built()
-
-    @property
-    def discarded(self) -> bool:
-        return self._discarded
-
-    @property
-    def troubled(self) -> bool:
-        """Discarded, failed or still running: its rendezvous may have left gloo state
-        behind in this process."""
-        return self._discarded or self.error is not None or not self.done
-
-    def _shutdown_built(self) -> None:
-        built, self.built = self.built, []
-        for group in built:
-            group.shutdown()

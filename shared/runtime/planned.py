@@ -30,8 +30,9 @@ from typing import Literal
 from trainmover.runtime import control as c
 from trainmover.runtime.abort import StepAborted
 from trainmover.runtime.acceptance import Planned
+from trainmover.runtime.build import GroupBuilder
 from trainmover.runtime.core import Core, SupervisorGone
-from trainmover.runtime.groups import Group, GroupBuilder, retire
+from trainmover.runtime.groups import Group, retire
 from trainmover.runtime.logs import peak_rss_mib
 from trainmover.runtime.switchvote import DROP, SWITCH, SwitchVote
 from trainmover.runtime.transfer import TransferError

@@ -30,8 +30,9 @@ from trainmover.runtime import checkpoint
 from trainmover.runtime import control as c
 from trainmover.runtime.abort import POLL_S
 from trainmover.runtime.acceptance import Recovering
+from trainmover.runtime.build import BuildAbandoned
 from trainmover.runtime.core import Core
-from trainmover.runtime.groups import BuildAbandoned, retire
+from trainmover.runtime.groups import retire
 from trainmover.runtime.logs import peak_rss_mib
 from trainmover.runtime.plan import GroupSpec, Plan
 

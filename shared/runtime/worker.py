@@ -50,11 +50,12 @@ from trainmover.runtime import checkpoint, dumps, fault, logs
 from trainmover.runtime import control as c
 from trainmover.runtime.abort import AbortSignal, StepAborted
 from trainmover.runtime.acceptance import Acceptance
+from trainmover.runtime.build import GroupBuilder, pick_device
 from trainmover.runtime.config import JobConfig, load_config
 from trainmover.runtime.core import Core, SupervisorGone
 from trainmover.runtime.env import ENV_CONFIG, ENV_CONTROL, ENV_LOCAL_RANK, ENV_MACHINE, ENV_RUN_DIR
 from trainmover.runtime.epochs import VoteEpochs
-from trainmover.runtime.groups import GroupBuilder, GroupTable, pick_device
+from trainmover.runtime.groups import GroupTable
 from trainmover.runtime.layout import Role
 from trainmover.runtime.plan import RankRef
 from trainmover.runtime.planned import PlannedSwitch

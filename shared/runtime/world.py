@@ -38,7 +38,8 @@ import structlog
 import torch.distributed as dist
 
 from trainmover.runtime.abort import POLL_S, AbortSignal, StepAborted
-from trainmover.runtime.groups import BuildAbandoned, Group, GroupBuilder, retire
+from trainmover.runtime.build import BuildAbandoned, GroupBuilder
+from trainmover.runtime.groups import Group, retire
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.steptime import WAITS
 

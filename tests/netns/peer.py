@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from trainmover.runtime.abort import AbortSignal
-from trainmover.runtime.groups import Group, build_group
+from trainmover.runtime.build import build_group
+from trainmover.runtime.groups import Group
 from trainmover.runtime.plan import GroupSpec, RankRef
 
 

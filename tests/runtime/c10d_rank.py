@@ -21,8 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainmover.runtime import pgs as P
 from trainmover.runtime.abort import AbortSignal, StepAborted
+from trainmover.runtime.build import build_group
 from trainmover.runtime.c10d import SwappableGroup, register, unregister
-from trainmover.runtime.groups import Group, GroupTable, build_group
+from trainmover.runtime.groups import Group, GroupTable
 from trainmover.runtime.layout import Layout, Role
 from trainmover.runtime.plan import GroupSpec, RankRef
 

@@ -7,14 +7,9 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from trainmover.runtime.build import BuildAbandoned, GroupBuilder, build_group
 from trainmover.runtime.data import TokenStream
-from trainmover.runtime.groups import (
-    BuildAbandoned,
-    GroupBuilder,
-    GroupTable,
-    StaleMemberError,
-    build_group,
-)
+from trainmover.runtime.groups import GroupTable, StaleMemberError
 from trainmover.runtime.plan import GroupSpec, RankRef
 
 CPU = torch.device("cpu")

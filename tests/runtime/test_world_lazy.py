@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from trainmover.runtime import logs
 from trainmover.runtime.abort import AbortSignal, StepAborted
-from trainmover.runtime.groups import GroupBuilder
+from trainmover.runtime.build import GroupBuilder
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.world import LazyWorld, WorldGroupTimeout
 
