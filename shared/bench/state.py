@@ -141,8 +141,9 @@ def trainmover(
 
 def peaks(logs: Path, plan_id: str, starts: set[str]) -> dict[str, dict[str, float]]:
     """machine -> its peak memory (MiB) as the plan's transfer started (or at the commit,
-    for a rank that sends nothing: `before`) and once the plan was over (`after`), and
-    the seconds its own send or receive took (`transfer_s`), from its workers' logs."""
+        for a rank that sends nothing: `before`) and once the plan was over (`after`), and
+        the seconds its own send or receive took (`transfer_s`, from the leaver's first byte)
+    and a receiver's wait for that byte (`transfer_wait_s`), from its workers' logs."""
     out: dict[str, dict[str, float]] = {}
     for path in sorted(logs.glob("*/logs/*-*.log")):
         for line in path.read_text(errors="replace").splitlines():
@@ -161,6 +162,7 @@ def peaks(logs: Path, plan_id: str, starts: set[str]) -> dict[str, dict[str, flo
                 entry["after"] = event["peak_rss_mib"]
                 if event.get("transfer_bytes"):
                     entry["transfer_s"] = event["transfer_s"]
+                    entry["transfer_wait_s"] = event.get("transfer_wait_s", 0.0)
     return out
 
 

@@ -67,13 +67,16 @@ def size_row(measured: dict[str, Any], chunk_mib: float) -> dict[str, Any]:
     failure = tm["failure"] if tm else None
     if planned:
         memory = planned.get("memory", {})
-        # The joiner's own receive: the leaver's send also counts its wait for the joiner
-        # to arrive at the switch, which is downtime but not the link.
-        transfer = memory.get(planned["joiner"], {}).get("transfer_s")
+        # The joiner's own receive, from the leaver's first byte to its last chunk
+        # checked; the joiner's wait before that (the leaver's last step) is downtime,
+        # kept apart as transfer_wait_s, but not the link.
+        joiner = memory.get(planned["joiner"], {})
+        transfer = joiner.get("transfer_s")
         stayers = [m for m in memory if m not in (planned["leaver"], planned["joiner"])]
         steady = max((e.get("before", 0.0) for e in memory.values()), default=0.0)
         row |= {
             "transfer_s": transfer,
+            "transfer_wait_s": joiner.get("transfer_wait_s"),
             "transfer_phase_s": planned["phases_s"].get("transfer"),
             "transfer_gbps": gbps(size, transfer),
             "normal_step_s": planned["normal_step_s"],

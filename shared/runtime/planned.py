@@ -281,6 +281,7 @@ class PlannedSwitch:
                 transfer_bytes=stats.bytes,
                 transfer_s=stats.seconds,
             ),
+            transfer_wait_s=stats.waited_s,
         )
         return True
 
@@ -305,7 +306,9 @@ class PlannedSwitch:
             retire(built)
         return False
 
-    def _finish(self, mig: Planned, event: c.Switched) -> None:
+    def _finish(self, mig: Planned, event: c.Switched, transfer_wait_s: float = 0.0) -> None:
+        """Reports the switch; a joiner also logs how long it waited for its leaver's
+        first byte (its leaver's last step), which is downtime but not transfer."""
         core = self.core
         core.log.info(
             "switched",
@@ -315,6 +318,7 @@ class PlannedSwitch:
             rebuilt=event.rebuilt,
             transfer_bytes=event.transfer_bytes,
             transfer_s=round(event.transfer_s, 4),
+            transfer_wait_s=round(transfer_wait_s, 4),
             seconds=round(event.t_end - event.t_start, 4),
             peak_rss_mib=peak_rss_mib(),
         )

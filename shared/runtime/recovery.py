@@ -117,7 +117,7 @@ class FailureRecovery:
         except BuildAbandoned as exc:
             raise RecoverySuperseded(f"{plan.plan_id}: {exc}") from None
         build_s = time.time() - t_start
-        transfer_bytes, transfer_s = 0, 0.0
+        transfer_bytes, transfer_s, waited_s = 0, 0.0, 0.0
         pairs = [g for g in built if g.spec.kind == "transfer"]
         built = [g for g in built if g.spec.kind != "transfer"]
         source: Literal["replica", "checkpoint"]
@@ -143,6 +143,7 @@ class FailureRecovery:
                 )
                 transfer_bytes += stats.bytes
                 transfer_s += stats.seconds
+                waited_s += stats.waited_s
             if joiner:
                 core.replica_state_at = state.step
         # Shutting down never blocks, even with an abandoned work in a replaced group.
@@ -176,6 +177,7 @@ class FailureRecovery:
             repaired=event.repaired,
             transfer_bytes=transfer_bytes,
             transfer_s=round(transfer_s, 4),
+            transfer_wait_s=round(waited_s, 4),
             seconds=round(event.t_end - t_start, 4),
             peak_rss_mib=peak_rss_mib(),
         )

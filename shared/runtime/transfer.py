@@ -36,7 +36,7 @@ from trainmover.runtime.groups import Group, PendingWork
 #: Default largest chunk of one send or receive.
 CHUNK_BYTES = 64 * 1024 * 1024
 #: Chunks posted and not yet completed, per side: enough to keep the link busy while
-#: the next chunk's checksum is computed.
+#: a chunk's checksum is computed.
 WINDOW = 4
 _TAG_SIZES, _TAG_MANIFEST, _TAG_SUMS = 0, 1, 2
 #: Chunk i goes under tag _TAG_DATA + i % LANES: gloo maps a tag to one of a pair's
@@ -53,10 +53,15 @@ class TransferError(RuntimeError):
 
 @dataclass
 class TransferStats:
+    """What one side of a transfer moved. `seconds` runs from the sender's first byte
+    (its manifest) to the last chunk checked; a receiver that was ready first waited
+    `waited_s` before that (on the sender reaching its switch), which is not transfer."""
+
     bytes: int
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
     chunks: int = 0
+    waited_s: float = 0.0
 
 
 @dataclass
@@ -100,9 +105,9 @@ def send_state(
     total = chunks = 0
     for chunk in _chunks(tensors.values(), chunk_bytes):
         wire = staging.outgoing(chunk, posted)
-        if checksums:
-            sums.append(_checksum(wire, chunks))
         posted.append(group.send(wire, peer, _TAG_DATA + chunks % LANES))
+        if checksums:  # read while the chunk is on the wire: both only read it
+            sums.append(_checksum(wire, chunks))
         total, chunks = total + chunk.numel(), chunks + 1
         if chunks == 2:
             fault.point("transfer")  # test-only: the sender dies mid-transfer
@@ -122,9 +127,10 @@ def receive_state(
     match; raises `ValueError` before any tensor byte if the sender's role is not ours,
     `TransferError` if a chunk does not match its checksum (and the pair's error if the
     sender stops mid-way)."""
-    started = time.perf_counter()
+    ready = time.perf_counter()
     size = torch.empty(1, dtype=torch.int64, device=device)
     group.recv(size, peer, _TAG_SIZES)
+    started = time.perf_counter()
     raw = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     group.recv(raw, peer, _TAG_MANIFEST)
     manifest = json.loads(bytes(raw.cpu().numpy()).decode())
@@ -160,7 +166,11 @@ def receive_state(
     if checksums:
         _check(group, peer, sums, device)
     stats = TransferStats(
-        bytes=total, seconds=time.perf_counter() - started, extra=extra, chunks=chunks
+        bytes=total,
+        seconds=time.perf_counter() - started,
+        extra=extra,
+        chunks=chunks,
+        waited_s=started - ready,
     )
     return Received(header=header, tensors=tensors, stats=stats)
 

@@ -31,7 +31,12 @@ def measured(size: int, transfer_s: float, link_s: float, joiner_peak: float) ->
     """Raw measurements of one size as the benchmark collects them."""
     memory = {
         "m0": {"before": 1000.0, "after": 1000.5, "transfer_s": transfer_s + 0.05},
-        "s0": {"before": 1100.0, "after": joiner_peak, "transfer_s": transfer_s},
+        "s0": {
+            "before": 1100.0,
+            "after": joiner_peak,
+            "transfer_s": transfer_s,
+            "transfer_wait_s": 0.04,
+        },  # fmt: skip
         "m1": {"before": 1000.0, "after": 1000.0},
     }
     planned = {"leaver": "m0", "joiner": "s0", "downtime_s": transfer_s + 0.3,
@@ -65,6 +70,7 @@ def test_a_row_reads_throughput_from_the_joiners_receive_and_memory_above_the_st
     assert row["stayer_overhead_mib"] == 0.0
     assert row["replica_overhead_mib"] == pytest.approx(1.0)
     assert row["planned_over_transfer_s"] == pytest.approx(0.2)
+    assert row["transfer_wait_s"] == pytest.approx(0.04)  # the joiner's, not the leaver's
     assert row["ckpt_over_planned"] == pytest.approx(30.0 / 1.3)
     assert row["within_memory_budget"] is True
     assert row["not_measured"] == {"trainmover_no_checksum": "not chosen (--systems)"}
