@@ -36,7 +36,7 @@ def measured(size: int, transfer_s: float, link_s: float, joiner_peak: float) ->
             "after": joiner_peak,
             "transfer_s": transfer_s,
             "transfer_wait_s": 0.04,
-        },  # fmt: skip
+        },
         "m1": {"before": 1000.0, "after": 1000.0},
     }
     planned = {"leaver": "m0", "joiner": "s0", "downtime_s": transfer_s + 0.3,
