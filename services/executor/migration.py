@@ -46,6 +46,7 @@ from trainmover.messages import (
     MigrationState,
     Plan,
 )
+from trainmover.runtime.supervisor import WorkerDied
 from trainmover.services.executor.switch import COMMIT_ROUNDS, judge_commit, switch_step
 
 log = get_logger("executor")
@@ -84,7 +85,12 @@ class MigrationRecord(Message):
 
 
 class MigrationFailed(RuntimeError):
-    pass
+    """A command of the migration failed; `lost` names its machine where the reason was
+    that machine's worker dying (the health monitor reports that death as a failure)."""
+
+    def __init__(self, message: str, lost: str | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 def downtime(before_end: float, after_end: float, median_step_s: float) -> float:
@@ -99,6 +105,10 @@ Survivors = Callable[[], Awaitable[list[str]]]
 """The machines of the job that are alive and keep their roles (for a recovery)."""
 Send = Callable[[Command], Awaitable[CommandReply]]
 """Sends one command to its machine's sidecar and returns the reply."""
+Settle = Callable[[str], Awaitable[None]]
+"""Given a machine whose worker died mid-migration, returns once the planner has had its
+time to take the plan over with that machine's recovery (which withdraws the plan and so
+cancels this migration's task); the migration is reported failed only after it."""
 
 
 class Migration:
@@ -119,6 +129,7 @@ class Migration:
         # run (sidecars answer by command id), so retrying often costs nothing.
         attempt_s: float = 5.0,
         send: Send | None = None,
+        settle: Settle | None = None,
     ) -> None:
         """`send` replaces the bus (`nc`) as the way commands reach the sidecars."""
         self._nc = nc
@@ -130,6 +141,7 @@ class Migration:
         self.margin = margin
         self.timeout_s = timeout_s
         self.attempt_s = attempt_s
+        self._settle = settle
 
     @property
     def plan(self) -> Plan:
@@ -163,6 +175,11 @@ class Migration:
             while self.record.phase not in ("done", "failed"):
                 await self._advance()
         except Exception as err:
+            # Reported as failed at once, a dead leaver's drain would race that leaver's
+            # failure event: the recovery could no longer keep the joiner it prepared.
+            lost = err.lost if isinstance(err, MigrationFailed) else None
+            if lost is not None and self._settle is not None:
+                await self._settle(lost)
             return await self._fail(f"{self.record.phase}: {type(err).__name__}: {err}")
         return self.record
 
@@ -305,7 +322,10 @@ class Migration:
             )
             reply = await self._send(command)
             if not reply.ok:
-                raise MigrationFailed(f"{op} on {machine}: {reply.error}")
+                died = (reply.error or "").startswith(f"{WorkerDied.__name__}:")
+                raise MigrationFailed(
+                    f"{op} on {machine}: {reply.error}", machine if died else None
+                )
             return reply.result
 
         results = await asyncio.gather(*(one(m) for m in machines))

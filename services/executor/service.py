@@ -63,7 +63,10 @@ class ExecutorService:
         timeout_s: float = 120.0,
         groups_total: int | None = None,
         metrics: Registry | None = None,
+        failure_grace_s: float = 10.0,
     ) -> None:
+        """`failure_grace_s`: how long a migration whose machine's worker died waits for
+        the planner to take it over with that machine's recovery before it fails."""
         self._nc = nc
         self._js = nc.jetstream()
         self.job = job
@@ -71,6 +74,8 @@ class ExecutorService:
         self.margin = margin
         self.timeout_s = timeout_s
         self.groups_total = groups_total
+        self.failure_grace_s = failure_grace_s
+        self._state_changed = asyncio.Condition()
         self._kv: KeyValue | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
         self._records: dict[str, MigrationRecord] = {}
@@ -218,6 +223,7 @@ class ExecutorService:
             self._survivors,
             margin=self.margin,
             timeout_s=self.timeout_s,
+            settle=lambda machine: self._settle(record.plan.plan_id, machine),
         )
         final = await migration.run()
         outcome = "done" if final.phase == "done" else "failed"
@@ -228,6 +234,33 @@ class ExecutorService:
                 self._m_phase.labels(phase=phase).set(seconds)
 
     # --- plans the planner withdrew ----------------------------------------------------
+
+    async def _settle(self, plan_id: str, machine: str) -> None:
+        """Returns once the planner has declared `machine` failed or dropped the plan, or
+        after the grace. A recovery that takes the plan over withdraws it, and
+        `_follow_state` then cancels the waiting migration."""
+
+        def acted() -> bool:
+            state = self._last_state
+            if state is None:
+                return False
+            status = getattr(state.machines.get(machine), "status", None)
+            return status == "failed" or plan_id not in state.in_flight
+
+        log.info("migration_settling", job=self.job, plan_id=plan_id, machine=machine)
+        async with self._state_changed:
+            try:
+                await asyncio.wait_for(
+                    self._state_changed.wait_for(acted), timeout=self.failure_grace_s
+                )
+            except TimeoutError:
+                log.warning(
+                    "failure_not_declared",
+                    job=self.job,
+                    plan_id=plan_id,
+                    machine=machine,
+                    grace_s=self.failure_grace_s,
+                )
 
     async def _current_in_flight(self) -> set[str] | None:
         state_kv = await bus.job_bucket(self._js, self.job)
@@ -252,6 +285,8 @@ class ExecutorService:
             for fence in to_fence(self._last_state, state):
                 self._tasks.append(asyncio.create_task(self._fence(fence)))
             self._last_state = state
+            async with self._state_changed:
+                self._state_changed.notify_all()
             for plan_id in list(self._running):
                 record = self._records[plan_id]
                 if plan_id in self._seen and _withdrawn(record, self._in_flight):

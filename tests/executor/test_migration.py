@@ -54,12 +54,13 @@ class Sidecars:
     joiners: set[str]
     passed: int = 10
     refuse: set[tuple[str, str]] = field(default_factory=set)
+    error: str = "no such plan"
     sent: list[Command] = field(default_factory=list)
 
     async def send(self, command: Command) -> CommandReply:
         self.sent.append(command)
         if (command.op, command.machine) in self.refuse:
-            return CommandReply(command_id=command.command_id, ok=False, error="no such plan")
+            return CommandReply(command_id=command.command_id, ok=False, error=self.error)
         return CommandReply(command_id=command.command_id, ok=True, result=self._result(command))
 
     def _result(self, command: Command) -> dict[str, Any]:
@@ -96,6 +97,8 @@ class Harness:
     asked_survivors: int = 0
     #: Steps the ranks pass while the n-th recorded switch step is being written.
     passed_while_saving: list[int] = field(default_factory=list)
+    #: (machine, progress states published so far) for each settle the migration asked.
+    settled: list[tuple[str, list[str]]] = field(default_factory=list)
 
     def migration(self, record: MigrationRecord) -> Migration:
         async def save(record: MigrationRecord) -> None:
@@ -110,7 +113,12 @@ class Harness:
             self.asked_survivors += 1
             return list(self.survivors)
 
-        return Migration(None, record, save, publish, survivors, send=self.sidecars.send)
+        async def settle(machine: str) -> None:
+            self.settled.append((machine, self.states()))
+
+        return Migration(
+            None, record, save, publish, survivors, send=self.sidecars.send, settle=settle
+        )
 
     def run(self, record: MigrationRecord) -> MigrationRecord:
         return asyncio.run(asyncio.wait_for(self.migration(record).run(), 10))
@@ -230,6 +238,17 @@ def test_a_refused_command_fails_the_migration_and_aborts_the_joiner() -> None:
     assert "release" not in [op for op, _ in h.sidecars.ops()]
     assert h.states()[-1] == "failed"
     assert h.saved[-1].phase == "failed"
+    assert h.settled == []  # nobody died: nothing for the planner to act on
+
+
+def test_a_leaver_whose_worker_died_is_left_to_the_planner_before_the_migration_fails() -> None:
+    plan = drain_plan()
+    h = harness(plan, refuse={("transfer", "m1")}, error="WorkerDied: m1/0 exited with -9")
+    final = h.run(MigrationRecord(plan=plan))
+    assert final.phase == "failed" and final.error is not None and "WorkerDied" in final.error
+    assert [machine for machine, _ in h.settled] == ["m1"]
+    assert "failed" not in h.settled[0][1]  # settled before the failure was published
+    assert h.states()[-1] == "failed"
 
 
 # -- a failure ---------------------------------------------------------------------------
