@@ -24,6 +24,7 @@ from typing import Any, Literal
 from trainmover.bench.memory import RssSampler
 from trainmover.bench.settings import harness_timeout_s
 from trainmover.localjob import LocalJob
+from trainmover.logs import get_logger
 from trainmover.runtime.bench import CELL, first_iterations, measure, step_end
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.launcher import REFERENCE_ENTRY
@@ -33,6 +34,8 @@ from trainmover.services.executor.switch import switch_step
 
 Variant = Literal["delta", "full_rebuild", "no_overlap", "no_shadow"]
 VARIANTS: tuple[Variant, ...] = ("delta", "full_rebuild", "no_overlap", "no_shadow")
+
+log = get_logger("bench")
 
 
 class TrainMoverJob:
@@ -64,10 +67,19 @@ class TrainMoverJob:
         ).__enter__()
 
     def close(self) -> None:
+        """Stops the job gracefully where it can. Its measurements are taken by now: a
+        job that does not reach the stop step is logged with every rank's status and
+        then killed, rather than failing the benchmark in its teardown."""
         self.sampler.__exit__()
         try:
             # Ahead of every rank (the limit may be far away after a free run).
             self.job.stop_at(self.job.current_step() + 2, timeout_s=120)
+        except TimeoutError as err:
+            try:
+                statuses = {str(r): s.model_dump() for r, s in self.job.status().items()}
+            except Exception as status_err:  # a hung rank may not answer either
+                statuses = {"error": repr(status_err)}
+            log.error("floor_stop_timed_out", error=str(err), ranks=statuses)
         finally:
             self.job.close()
 
