@@ -32,6 +32,14 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECONDS",
         help="how long one state of a migration may take",
     )
+    p.add_argument(
+        "--failure-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long a migration whose worker died waits for the planner to recover "
+        "that machine (keeping the joiner it prepared) before it is reported failed",
+    )
     args = parse(p, argv)
     args.config = load_job_config(args.job_config)
     return args
@@ -48,6 +56,7 @@ def _build(args: argparse.Namespace) -> OnBus:
             args.config.job,
             margin=args.margin,
             timeout_s=args.command_timeout,
+            failure_grace_s=args.failure_grace,
             groups_total=len(args.config.layout.all_groups()),
         ),
     )
