@@ -15,11 +15,18 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
 from tests.conftest import register_job, sample_state
-from trainmover.messages import ClusterState, DrainEvent, MigrationProgress, Plan, decode
+from trainmover import bus
+from trainmover.messages import (
+    ClusterState,
+    DrainEvent,
+    MigrationProgress,
+    Plan,
+    decode,
+)
 from trainmover.services.executor.migration import MigrationRecord
 from trainmover.services.executor.service import ExecutorService
 from trainmover.services.planner.decisions import Planner
-from trainmover.subjects import JobSubjects
+from trainmover.subjects import STATE_KEY, JobSubjects
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,3 +93,30 @@ async def test_a_plan_redelivered_after_its_migration_ended_is_not_run_again(
     await nc.jetstream().publish(JobSubjects(job).plans, fresh.to_json())
     assert await asyncio.wait_for(_first_start(starts), 30) == fresh.plan_id
     assert executor.running == {fresh.plan_id}
+
+
+async def test_a_death_heard_first_is_left_to_the_planner_until_it_withdraws_the_plan(
+    nc, job, executor
+) -> None:
+    """A migration told of its leaver's death (a `WorkerDied` reply) settles as soon as
+    the planner's state no longer holds its plan (a recovery took it over), well inside
+    the grace."""
+    plan, state = _plan(job, "m0")
+    await register_job(nc, job, state)
+    executor.failure_grace_s = 60.0
+    await executor.start()
+    settling = asyncio.create_task(executor._settle(plan.plan_id, "m0"))
+    withdrawn = state.model_copy(update={"in_flight": {}})
+    kv = await bus.job_bucket(nc.jetstream(), job)
+    await kv.put(STATE_KEY, withdrawn.to_json())
+    await asyncio.wait_for(settling, 30)
+
+
+async def test_a_death_no_recovery_follows_fails_after_the_grace(nc, job, executor) -> None:
+    plan, state = _plan(job, "m0")
+    await register_job(nc, job, state)
+    executor.failure_grace_s = 0.5
+    await executor.start()
+    started = time.monotonic()
+    await asyncio.wait_for(executor._settle(plan.plan_id, "m0"), 30)
+    assert time.monotonic() - started >= 0.5  # it waited for a declaration that never came
