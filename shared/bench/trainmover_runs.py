@@ -76,7 +76,9 @@ class TrainMoverJob:
             self.job.stop_at(self.job.current_step() + 2, timeout_s=120)
         except TimeoutError as err:
             try:
-                statuses = {str(r): s.model_dump() for r, s in self.job.status().items()}
+                statuses: dict[str, Any] = {
+                    str(r): s.model_dump() for r, s in self.job.status().items()
+                }
             except Exception as status_err:  # a hung rank may not answer either
                 statuses = {"error": repr(status_err)}
             log.error("floor_stop_timed_out", error=str(err), ranks=statuses)
