@@ -230,7 +230,9 @@ async def publish_durable(
                 "publish_retry", subject=subject, msg_id=msg_id, attempt=attempt, error=repr(err)
             )
             if isinstance(err, NoStreamResponseError):  # no stream leader yet: let it elect
-                await asyncio.sleep(min(0.1 * attempt, 0.5))
+                await asyncio.sleep(min(0.1 * attempt, 0.5, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                raise  # the last attempt's error, not a request sent with no time left
 
 
 async def dead_letter(
