@@ -7,7 +7,8 @@ is plausible:
 - a collective-error report blames a peer only if the reporter and the peer are both
   members of the named group *as the cluster state has it now* (a group of the layout
   and the machines holding its roles, or a transfer pair of an in-flight plan): a
-  sidecar cannot fail a machine it shares no group with;
+  sidecar cannot fail a machine it shares no group with; nor a machine for closing a
+  group that an in-flight recovery rebuilds, unless it is that recovery's leaver;
 - a stall report (a voter's progress board names the ranks holding a step back) is
   believed only from a machine holding a role, about machines holding roles whose ranks
   they are, and only while the step statistics agree: a machine that reported the step
@@ -68,6 +69,17 @@ def collective_error_problem(state: ClusterState, report: CollectiveErrorReport)
             f"(its machines: {', '.join(sorted(members)) or 'none'}): "
             f"{report.machine} cannot blame {report.peer} for it"
         )
+    for plan in state.in_flight.values():
+        if plan.migration == "planned" or report.peer in plan.leavers():
+            continue
+        if any(spec.name == report.group for spec in plan.groups):
+            # Its members drop the group's old connections to rebuild it: a peer seen
+            # closing them is following the recovery. One that dies meanwhile is
+            # reported by its own heartbeat (the worker's exit) or its silence.
+            return (
+                f"recovery {plan.plan_id[:8]} rebuilds {report.group!r}: "
+                f"{report.peer} closing it is not a failure"
+            )
     return None
 
 

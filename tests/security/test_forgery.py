@@ -160,6 +160,24 @@ def test_a_collective_error_must_name_a_shared_group() -> None:
     assert collective_error_problem(planned.state, report("m0", "s0", pair)) is not None
 
 
+def test_a_peer_closing_a_group_its_recovery_rebuilds_is_not_blamed() -> None:
+    """m1 fails: its recovery rebuilds m1's groups with the joiner s0. m0 seeing s0 close
+    one of them is the recovery at work; m0 blaming m1 itself is still believed."""
+    state = sample_state("j")
+    out = Planner().on_event(state, FailureEvent(job="j", machine="m1"), 1.0)
+    (plan,) = out.plans
+    joiner = plan.moves[0].joiner
+    group = next(spec for spec in plan.groups if "m0" in {r.machine for r in spec.members})
+
+    def report(peer: str) -> CollectiveErrorReport:
+        return CollectiveErrorReport(job="j", machine="m0", peer=peer, group=group.name, error="x")
+
+    problem = collective_error_problem(out.state, report(joiner))
+    assert problem is not None and "rebuilds" in problem and joiner in problem
+    assert collective_error_problem(out.state, report("m1")) is None
+    assert collective_error_problem(state, report("m1")) is None  # no recovery in flight
+
+
 def test_a_stall_report_is_believed_only_about_role_holders_and_their_own_ranks() -> None:
     state = sample_state("j")
     layout = state.layout
