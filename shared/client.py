@@ -166,8 +166,14 @@ class TrainMoverClient:
                     f"machine {event.machine!r} is already queued to leave (waiting for a "
                     f"standby): nothing to {event.kind}"
                 )
+        # Long enough for a stream leader's election after a server of the cluster died;
+        # an event published while the bus has no quorum is refused after it.
         await bus.publish_durable(
-            self._js, JobSubjects(event.job).event(event.kind), event, msg_id=event.event_id
+            self._js,
+            JobSubjects(event.job).event(event.kind),
+            event,
+            msg_id=event.event_id,
+            timeout=bus.FAILOVER_S,
         )
         log.info(
             "event_published",
