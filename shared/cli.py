@@ -144,6 +144,7 @@ async def _up(args: argparse.Namespace) -> int:
         auth_machines=machines,
         nats_cluster=args.nats_cluster,
         rules=args.rules,
+        store_replicas=args.store_replicas,
     ) as stack:
         print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
         if stack.operator_creds is not None:
@@ -290,7 +291,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run the bus as a JetStream cluster of N embedded servers on loopback",
     )
-
+    u.add_argument(
+        "--store-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the rendezvous store as N rendezvous services, one serving and the others "
+        "standing by (default: one store in this process)",
+    )
     u.add_argument(
         "--status-port", type=int, default=0, help="port of the status page (default: a free one)"
     )

@@ -61,6 +61,7 @@ class LocalCluster:
         bcrypt_cost: int | None = None,
         host: str = "127.0.0.1",
         machine_wrap: MachineWrap | None = None,
+        store_replicas: int = 0,
     ) -> None:
         self.config = config
         self.job = config.job
@@ -77,6 +78,7 @@ class LocalCluster:
             bcrypt_cost=bcrypt_cost,
             host=host,
             machine_wrap=machine_wrap,
+            store_replicas=store_replicas,
         )
         self.steps: dict[str, int] = {}
         #: machine -> step -> when its sidecar stamped that step's statistics (a step

@@ -82,7 +82,10 @@ EXECUTOR: Final = MappingProxyType(
 RENDEZVOUS_KEYS: Final = "trainmover_rendezvous_keys"
 """Keys in the job's rendezvous store (set by each /healthz probe)."""
 
-RENDEZVOUS: Final = MappingProxyType({RENDEZVOUS_KEYS: ()})
+RENDEZVOUS_SERVING: Final = "trainmover_rendezvous_serving"
+"""1 while this replica of the store serves the job, 0 while it stands by."""
+
+RENDEZVOUS: Final = MappingProxyType({RENDEZVOUS_KEYS: (), RENDEZVOUS_SERVING: ()})
 
 # --- sidecar (services/sidecar/service.py), one per machine ----------------------------
 SIDECAR_COMMANDS: Final = "trainmover_sidecar_commands_total"

@@ -6,7 +6,8 @@
 - the services (planner, executor, health-monitor), each its own process, so they only
   ever talk over the bus; one that dies is restarted (each resumes from durable state);
 - with a job config, the local cluster: the rendezvous store (hosted here, never on a
-  training machine) and one sidecar process per machine and standby, each in its own
+  training machine; with `store_replicas` N, N rendezvous service processes, one
+  serving and the others standing by, restarted like the services) and one sidecar process per machine and standby, each in its own
   process group so that `kill_machine` takes a whole machine down like a power cut.
 
 With `auth`, the stack generates per-component credentials and a nats-server config
@@ -23,6 +24,7 @@ import importlib
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -40,6 +42,22 @@ from trainmover.security.credentials import CREDS_ENV, ENV
 from trainmover.security.policy import Component, Role
 
 log = get_logger("stack")
+
+#: Name prefix of the store's replica processes ("rendezvous-0", ...).
+REPLICA = "rendezvous-"
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports free on `host` now."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
 
 # Start order: consumers before producers, so nothing published at start is missed.
 STACK_SERVICES = ("planner", "executor", "health-monitor")
@@ -94,8 +112,15 @@ class Stack:
         rules: str | None = None,
         host: str = "127.0.0.1",
         machine_wrap: MachineWrap | None = None,
+        store_replicas: int = 0,
     ) -> None:
+        if store_replicas < 0:
+            raise ValueError(f"--store-replicas {store_replicas}: not a number of replicas")
         self.host = host
+        #: Replicas of the rendezvous store, each a rendezvous service process of its
+        #: own (0: one store hosted in this process).
+        self.store_replicas = store_replicas
+        self._replica_ports: list[int] = []
         self._machine_wrap = machine_wrap
         self._given_url = resolve_url(nats_url)
         self._store_dir = store_dir
@@ -258,8 +283,32 @@ class Stack:
                 out.close()  # the child holds its own descriptor
 
     async def _spawn(self, name: str) -> None:
-        self._procs[name] = await self._exec(self._args(name), self._service_env(name), name)
+        if name.startswith(REPLICA):
+            args, env = self._replica_args(int(name[len(REPLICA) :])), dict(os.environ)
+        else:
+            args, env = self._args(name), self._service_env(name)
+        self._procs[name] = await self._exec(args, env, name)
         log.info("service_started", service=name, pid=self._procs[name].pid)
+
+    def _replica_args(self, index: int) -> list[str]:
+        """Replica `index` of the store: a rendezvous service on its fixed port (it needs
+        no bus and no credentials)."""
+        return [
+            sys.executable, "-m", "trainmover.cli", "service", "rendezvous",
+            "--store-host", self.host, "--http-port", "0",
+            "--replicas", self.rendezvous_address, "--replica-index", str(index),
+        ]  # fmt: skip
+
+    def serving_replica(self) -> tuple[str, str]:
+        """The store replica that serves now ("rendezvous-<i>") and its incarnation."""
+        from trainmover.runtime.storeclient import SERVING, probe
+
+        for _ in range(3):  # a look can fail on a loaded host
+            for i, port in enumerate(self._replica_ports):
+                seen = probe(self.host, port)
+                if seen is not None and seen[0] == SERVING:
+                    return f"{REPLICA}{i}", seen[1]
+        raise RuntimeError("no replica of the rendezvous store serves")
 
     async def restart_service(self, name: str, kill: bool = True) -> None:
         """Kills (or stops) one service and starts it again, as a crash and a restart."""
@@ -290,13 +339,39 @@ class Stack:
     # --- local cluster ---------------------------------------------------------------------
 
     async def _start_cluster(self, config: JobConfig) -> None:
-        from trainmover.runtime.rendezvous import RendezvousHost
+        if self.store_replicas:
+            await self._start_replicas()
+        else:
+            from trainmover.runtime.rendezvous import RendezvousHost
 
-        host = await asyncio.to_thread(RendezvousHost, self.host)
-        self._rendezvous = host
-        self.rendezvous_address = host.address
+            host = await asyncio.to_thread(RendezvousHost, self.host)
+            self._rendezvous = host
+            self.rendezvous_address = host.address
         for machine in [*config.cluster.machines, *config.cluster.standbys]:
             await self.start_machine(machine)
+
+    async def _start_replicas(self) -> None:
+        """The store's replicas, on ports fixed for the stack's life (a restarted one
+        comes back where the sidecars look for it); returns once one serves."""
+        from trainmover.runtime.storeclient import Store, StoreLost
+
+        self._replica_ports = free_ports(self.store_replicas, self.host)
+        self.rendezvous_address = ",".join(f"{self.host}:{p}" for p in self._replica_ports)
+        names = [f"{REPLICA}{i}" for i in range(self.store_replicas)]
+        for name in names:
+            await self._spawn(name)
+        # Each takes a few seconds to import torch and look at the others.
+        while True:
+            try:
+                await asyncio.to_thread(Store(self.rendezvous_address, 1.0).num_keys)
+                return
+            except StoreLost:
+                exited = [n for n in names if self._procs[n].returncode is not None]
+                if exited:
+                    raise RuntimeError(
+                        f"store replica {exited[0]} exited with code "
+                        f"{self._procs[exited[0]].returncode} while starting"
+                    ) from None
 
     async def start_machine(self, machine: str) -> None:
         """Starts the sidecar of `machine` (which starts its workers)."""

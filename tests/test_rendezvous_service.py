@@ -72,7 +72,9 @@ async def test_two_torch_processes_rendezvous_through_the_service(tmp_path: Path
 
         health = await poll(healthy, "the rendezvous service to be healthy", timeout=120)
         address = f"127.0.0.1:{health['store_port']}"
-        assert health["store"] == address and health["keys"] == 0
+        # One key: the replica's role (alone, it serves).
+        assert health["store"] == address and health["keys"] == 1
+        assert health["role"] == "serving"
 
         for code, out, err in await asyncio.to_thread(run_ranks, address):
             assert code == 0, err
@@ -107,3 +109,48 @@ def test_bad_flags_are_one_line_errors() -> None:
         _cli("service", "rendezvous", "--help"), capture_output=True, text=True, timeout=60
     )
     assert helped.returncode == 0 and "--store-port" in helped.stdout
+
+
+def test_bad_replica_flags_name_the_cause() -> None:
+    cases = {
+        ("--replicas", "a:1,b:2", "--replica-index", "2"): "--replica-index 2: --replicas names 2",
+        ("--replicas", "a:1,b:x"): "not HOST:PORT",
+        ("--replicas", "a:1,b:2", "--store-port", "7"): "names port 1 for replica 0",
+        ("--replica-index", "1"): "--replica-index needs --replicas",
+    }
+    for flags, message in cases.items():
+        run = subprocess.run(
+            _cli("service", "rendezvous", *flags), capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 2 and message in run.stderr, (flags, run.stderr)
+
+
+async def test_a_standby_replica_serves_when_the_serving_one_is_killed(tmp_path: Path) -> None:
+    from trainmover.stack import free_ports
+
+    stores = free_ports(2)
+    address = ",".join(f"127.0.0.1:{p}" for p in stores)
+    services = []
+    for i in range(2):
+        argv = _cli("service", "rendezvous", "--http-port", "0", "--port-file",
+                    str(tmp_path / f"{i}.port"), "--replicas", address, "--replica-index", str(i))  # fmt: skip
+        services.append(Program(f"rendezvous-{i}", argv, tmp_path).start())
+
+    def role(i: int) -> str | None:
+        services[i].check_alive()
+        port_file = tmp_path / f"{i}.port"
+        if not port_file.exists() or not port_file.read_text().strip():
+            return None
+        status, body = http("GET", f"http://127.0.0.1:{int(port_file.read_text())}/healthz")
+        return json.loads(body).get("role") if status == 200 else None
+
+    try:
+        await poll(lambda: role(0) == "serving" or None, "replica 0 to serve", timeout=120)
+        await poll(lambda: role(1) == "standby" or None, "replica 1 to stand by", timeout=120)
+        assert services[0].proc is not None
+        services[0].proc.kill()
+        services[0].wait(60)
+        await poll(lambda: role(1) == "serving" or None, "the standby to take over", timeout=60)
+    finally:
+        for service in services:
+            service.stop()

@@ -1,6 +1,7 @@
 """The rendezvous service: hosts a job's rendezvous store off the training machines.
 
     trainmover service rendezvous [--store-port 29400] [--http-port 9468]
+        [--replicas HOST:PORT,HOST:PORT --replica-index I]
     python -m trainmover.services.rendezvous ...
 
 Every worker builds its communication groups, and votes on each step's commit, through
@@ -8,7 +9,11 @@ one TCPStore (`trainmover.runtime.rendezvous.RendezvousHost`). `trainmover up` h
 its own process; on a cluster this service does, on a machine that is never migrated
 away, and every sidecar is started with `--rendezvous HOST:29400` (or
 $TRAINMOVER_RENDEZVOUS). It needs no bus: /healthz answers once the store answers a
-round trip, and /metrics has the number of keys.
+round trip, and /metrics has the number of keys. With `--replicas`, each replica runs
+this service and the sidecars name them all (`--rendezvous a:29400,b:29400`): one serves,
+the others stand by, and when the serving one is lost a standby takes over within a few
+hundred milliseconds while the ranks re-cast their share of the store into it
+(`trainmover.runtime.storeclient`).
 
 Modules, one job each:
     service  the store and its HTTP endpoints
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 
 from trainmover.ports import DEFAULT_HTTP_PORTS, RENDEZVOUS_PORT
+from trainmover.runtime.storeclient import replicas
 from trainmover.service import Service, SettingsError, http_parser, parse, run_service
 
 
@@ -32,7 +38,11 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
         "--store-host", default="127.0.0.1", help="listen address of the store (0.0.0.0: all)"
     )
     p.add_argument(
-        "--store-port", type=int, default=RENDEZVOUS_PORT, help="the store's port (0: a free one)"
+        "--store-port",
+        type=int,
+        default=None,
+        help=f"the store's port (0: a free one; default: this replica's in --replicas, "
+        f"else {RENDEZVOUS_PORT})",
     )
     p.add_argument(
         "--store-timeout",
@@ -41,10 +51,51 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECONDS",
         help="how long a client's store operation may wait (workers pass their own)",
     )
+    p.add_argument(
+        "--replicas",
+        default="",
+        metavar="HOST:PORT,...",
+        help="every replica of the job's store, as the sidecars' --rendezvous names them "
+        "(this one included); one serves, the others stand by and take over",
+    )
+    p.add_argument(
+        "--replica-index",
+        type=int,
+        default=0,
+        metavar="I",
+        help="this replica's place in --replicas (0: the first)",
+    )
     args = parse(p, argv, needs_bus=False)
-    if not 0 <= args.store_port <= 65535:
+    if args.store_port is not None and not 0 <= args.store_port <= 65535:
         raise SettingsError(f"--store-port {args.store_port}: not a port")
+    args.peers = _peers(args)
     return args
+
+
+def _peers(args: argparse.Namespace) -> list[str]:
+    """The other replicas, in order; SettingsError naming what does not fit."""
+    if not args.replicas:
+        if args.replica_index:
+            raise SettingsError("--replica-index needs --replicas")
+        if args.store_port is None:
+            args.store_port = RENDEZVOUS_PORT
+        return []
+    try:
+        listed = replicas(args.replicas)
+    except ValueError as err:
+        raise SettingsError(f"--replicas: {err}") from None
+    if not 0 <= args.replica_index < len(listed):
+        raise SettingsError(
+            f"--replica-index {args.replica_index}: --replicas names {len(listed)} replicas"
+        )
+    own = listed[args.replica_index][1]
+    if args.store_port not in (None, own):
+        raise SettingsError(
+            f"--replicas names port {own} for replica {args.replica_index}, "
+            f"but --store-port is {args.store_port}"
+        )
+    args.store_port = own
+    return [f"{h}:{p}" for i, (h, p) in enumerate(listed) if i != args.replica_index]
 
 
 def _build(args: argparse.Namespace) -> Service:

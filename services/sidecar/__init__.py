@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from trainmover.ports import DEFAULT_HTTP_PORTS, RENDEZVOUS_ENV
+from trainmover.runtime.storeclient import replicas
 from trainmover.service import (
     Service,
     SettingsError,
@@ -36,7 +37,8 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--rendezvous",
         default=os.environ.get(RENDEZVOUS_ENV),
-        help="HOST:PORT of the rendezvous store (default $TRAINMOVER_RENDEZVOUS)",
+        help="HOST:PORT of the rendezvous store, or of each of its replicas, comma-separated "
+        "(default $TRAINMOVER_RENDEZVOUS)",
     )
     p.add_argument("--run-dir", type=Path, help="worker logs and state (default: temporary)")
     p.add_argument(
@@ -59,6 +61,10 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
         raise SettingsError(
             f"no rendezvous store: pass --rendezvous HOST:PORT or set {RENDEZVOUS_ENV}"
         )
+    try:
+        replicas(args.rendezvous)
+    except ValueError as err:
+        raise SettingsError(f"--rendezvous: {err}") from None
     args.config = load_job_config(args.job_config)
     if args.standby and args.machine in args.config.cluster.machines:
         raise SettingsError(f"--standby, but the job config lists {args.machine} as active")

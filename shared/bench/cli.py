@@ -1,4 +1,4 @@
-"""``trainmover bench [downtime|rebalance|scale|hangs|state|all] [options]``: the benchmark commands.
+"""``trainmover bench [downtime|rebalance|scale|hangs|state|store|all] [options]``: the benchmark commands.
 
 Without a sub-command (``make bench``), runs every benchmark at its default settings and
 writes bench-out/<name>.{json,md,png}.
@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from trainmover.bench import downtime, downtime_example, hangs, rebalance, scale, state
+from trainmover.bench import downtime, downtime_example, hangs, rebalance, scale, state, store
 
 #: sub-command -> (add its options, run it)
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
     "scale": (scale.add_arguments, scale.main),
     "hangs": (hangs.add_arguments, hangs.main),
     "state": (state.add_arguments, state.main),
+    "store": (store.add_arguments, store.main),
 }  # fmt: skip
 HELP = {
     "downtime": "planned and failure downtime: TrainMover, ablations, torchrun, torchft "
@@ -29,6 +30,8 @@ HELP = {
     "hangs": "a hung machine: detection and downtime by hang kind, against the timeout",
     "state": "downtime, throughput and memory of a migration from 16 MB to 4 GB of state "
     "per rank, against the link and checkpoint-restart",
+    "store": "training lost per rendezvous store loss, and the per-step vote's cost at 4-16 "
+    "ranks against a bare TCPStore, projected to 1,024",
 }
 
 

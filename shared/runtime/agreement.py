@@ -20,6 +20,12 @@ so a step re-executed after a recovery votes afresh and a late abort of an old e
 cannot touch the new one. An aborted epoch never commits again: aborting writes "abort"
 into the decision of the first undecided step (if the step was already committed, into
 the next one, which this rank will then never vote for).
+
+The vote is a counted decision of `trainmover.runtime.storeclient`: when the store's
+serving replica is lost, each rank re-casts the decisions it saw and its votes into the
+next one, so a step decided before the loss keeps its decision, and one undecided is
+decided there as it would have been. The loss costs the step a pause of about the
+standby's takeover, and no rank's groups.
 """
 
 from __future__ import annotations
@@ -29,9 +35,8 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-import torch.distributed as dist
-
 from trainmover.runtime.abort import AbortSignal, StepAborted
+from trainmover.runtime.storeclient import Store
 
 COMMIT = "commit"
 ABORT = "abort"
@@ -39,11 +44,6 @@ ABORT = "abort"
 _WATCH_SLICE = timedelta(seconds=1)
 #: How often a voter waiting for a decision looks at how long it has waited.
 STALL_POLL_S = 0.25
-
-
-def _client(address: str, timeout_s: float) -> dist.TCPStore:
-    host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 class CommitAgreement:
@@ -69,14 +69,16 @@ class CommitAgreement:
         #: Called on the voting thread, every STALL_POLL_S while a decision is awaited,
         #: with (epoch, step, seconds waited).
         self.on_stall: Callable[[str, int, float], None] | None = None
-        self._vote = _client(store_address, timeout_s)
-        self._abort = _client(store_address, timeout_s)
+        self._vote = Store(store_address, timeout_s)
+        #: This process's share of the store (`trainmover.runtime.storeclient`).
+        self.share = self._vote.share
+        self._abort = Store(store_address, timeout_s)
         self._abort_lock = threading.Lock()
         self._cond = threading.Condition()
         self._target: tuple[str, int] | None = None
         self._verdicts: dict[tuple[str, int], str] = {}
         self._closed = False
-        self._watch_store = _client(store_address, timeout_s)
+        self._watch_store = Store(store_address, timeout_s)
         threading.Thread(target=self._watch, name="commit-watcher", daemon=True).start()
 
     def key(self, epoch: str, step: int, what: str) -> str:
@@ -96,11 +98,14 @@ class CommitAgreement:
         started = time.perf_counter()
         epoch = self.epoch
         decision = self.key(epoch, step, "decision")
-        if self._vote.add(self.key(epoch, step, "votes"), 1) == self.world:
-            self._vote.compare_set(decision, "", COMMIT)
+        if (
+            self._vote.vote(self.key(epoch, step, "votes"), self.world, decision, COMMIT)
+            == self.world
+        ):
             # Every rank has read step - 1's decision before voting for this one.
             for what in ("votes", "decision"):
                 self._vote.delete_key(self.key(epoch, step - 1, what))
+        self._vote.forget(self.key(epoch, step - 2, ""))
         verdict = self._await_verdict(epoch, step, started)
         if verdict is None:  # a rank never voted and nobody noticed: give up on the step
             self.abort(f"commit vote of step {step} not decided in {self.timeout_s:.0f}s")
@@ -133,6 +138,7 @@ class CommitAgreement:
 
     def reset(self, epoch: str, committed: int) -> None:
         """A recovery starts `epoch` with every rank at step `committed`."""
+        self._vote.forget(f"{self.job}/commit/{self.epoch}/")
         with self._cond:
             self.epoch, self.committed = epoch, committed
             self._target = None

@@ -17,10 +17,9 @@ import re
 from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
-
 from trainmover.runtime.layout import Role
 from trainmover.runtime.state import TrainingState, load_saved
+from trainmover.runtime.storeclient import Store
 
 #: Checkpoints kept per role.
 KEEP = 2
@@ -52,7 +51,7 @@ def write(root: Path, role: Role, state: TrainingState) -> Path:
 
 
 def agree_step(
-    store: dist.Store, prefix: str, role: Role, roles: list[Role], root: Path, timeout_s: float
+    store: Store, prefix: str, role: Role, roles: list[Role], root: Path, timeout_s: float
 ) -> int:
     """The newest step every role of the job has a checkpoint of. Each rank publishes its
     role's newest step under `prefix` (the joiner publishes the dead role's), then all

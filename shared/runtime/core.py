@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import structlog
 import torch
-import torch.distributed as dist
 
 from trainmover.runtime import control as c
 from trainmover.runtime.abort import AbortSignal
@@ -31,18 +29,11 @@ from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.sandbox import RecordStore
 from trainmover.runtime.standard import StandardTorch
 from trainmover.runtime.state import TrainingState
+from trainmover.runtime.storeclient import Store
 
 
 class SupervisorGone(RuntimeError):
     """The control connection closed: nobody can coordinate this rank any more."""
-
-
-def store_client(address: str, timeout_s: float) -> dist.TCPStore:
-    """A client of the job's rendezvous store of its own (a thread must not share one)."""
-    if not address:
-        raise RuntimeError("no rendezvous store known (a standby learns it when it joins)")
-    host, port = c.parse_address(address)
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 @dataclass
@@ -91,15 +82,17 @@ class Core:
         self.torch.take_role(role, self.store_address)
         self.log = self.log.bind(role=role.key, rank=self.config.layout.global_rank(role))
 
-    def store(self) -> dist.TCPStore:
-        return store_client(self.store_address, self.timeout_s)
+    def store(self) -> Store:
+        """A client of the job's rendezvous store of its own (a thread must not share
+        one), failing over between the store's replicas."""
+        return Store(self.store_address, self.timeout_s)
 
     def builder(self, specs: list[GroupSpec], name: str) -> GroupBuilder:
         """Starts building `specs` in the background."""
         builder = GroupBuilder(
             specs,
             self.me,
-            self.store(),
+            self.store().raw(),
             self.config.job,
             self.device,
             self.timeout_s,

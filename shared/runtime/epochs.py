@@ -76,6 +76,11 @@ class VoteEpochs:
                 committed,
                 core.config.runtime.failure_timeout_s,
             )
+            self.agreement.share.on_move.append(
+                lambda generation, incarnation: core.log.warning(
+                    "store_moved", incarnation=incarnation, generation=generation
+                )
+            )
             self.stalls = self._watch_stalls()
             if core.config.runtime.stall_detection:
                 self.agreement.on_stall = self.stalls.stalled

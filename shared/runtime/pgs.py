@@ -218,7 +218,8 @@ def remove_hooks() -> None:
 def set_torchrun_env(layout: Layout, role: Role, local_world: int, store_address: str) -> None:
     """What torchrun sets for a worker, once its role is known (a standby's comes from
     its plan)."""
-    host, _, port = store_address.rpartition(":")
+    # The first replica: informational (the runtime's groups never use the variables).
+    host, _, port = store_address.split(",")[0].rpartition(":")
     os.environ.update(
         {
             "RANK": str(layout.global_rank(role)),

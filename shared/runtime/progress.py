@@ -42,12 +42,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from trainmover.runtime.control import StallEvent
 from trainmover.runtime.steptime import WAITS
+from trainmover.runtime.storeclient import Store
 
 #: How often each rank rewrites its entry on the board.
 INTERVAL_S = 0.25
@@ -159,10 +157,11 @@ class ProgressBoard:
         self.interval_s = interval_s
         self.progress = Progress()
         self._training_thread = threading.get_ident()
-        host, _, port = store_address.rpartition(":")
-        self._store = dist.TCPStore(
-            host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)
-        )
+        # Entries are rewritten, never re-cast: each rank's next beat fills a new replica.
+        self._store = Store(store_address, timeout_s, recast=False)
+        #: When the store last moved to another replica (monotonic).
+        self.moved_at = float("-inf")
+        self._store.share.on_move.append(self._moved)
         self._lock = threading.Lock()  # one store client, two threads
         self._counter = 0
         self._closed = threading.Event()
@@ -171,6 +170,9 @@ class ProgressBoard:
 
     def key(self, rank: int) -> str:
         return f"{self.job}/progress/{rank}"
+
+    def _moved(self, generation: int, incarnation: str) -> None:
+        self.moved_at = time.monotonic()
 
     def close(self) -> None:
         self._closed.set()
@@ -303,6 +305,10 @@ class StallWatch:
         if len(self.recent) < MIN_HISTORY or self.board.progress.done < 1:
             return  # no step time to judge against yet (start, recovery, joining)
         threshold, lead = self.threshold_s(), 2 * self.board.interval_s
+        if time.monotonic() - self.board.moved_at < threshold + lead:
+            # Everyone waited for the store to move, and the board is being refilled.
+            self._pending = None
+            return
         pending = self._pending
         if pending is not None and pending.key[:2] == (epoch, step):
             due = pending.key[2] * threshold

@@ -24,8 +24,6 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-import torch.distributed as dist
-
 from trainmover.runtime import checkpoint
 from trainmover.runtime import control as c
 from trainmover.runtime.abort import POLL_S
@@ -35,6 +33,7 @@ from trainmover.runtime.core import Core
 from trainmover.runtime.groups import retire
 from trainmover.runtime.logs import peak_rss_mib
 from trainmover.runtime.plan import GroupSpec, Plan
+from trainmover.runtime.storeclient import Store
 
 
 class RecoverySuperseded(RuntimeError):
@@ -186,7 +185,7 @@ class FailureRecovery:
     def _dirty_groups(
         self,
         plan: Plan,
-        store: dist.TCPStore,
+        store: Store,
         prefix: str,
         superseded: Callable[[], bool],
     ) -> list[GroupSpec]:
@@ -207,9 +206,7 @@ class FailureRecovery:
                 repairs.append(group.spec.model_copy(update={"repair": plan.plan_id}))
         return repairs
 
-    def _wait_keys(
-        self, store: dist.TCPStore, keys: list[str], superseded: Callable[[], bool]
-    ) -> None:
+    def _wait_keys(self, store: Store, keys: list[str], superseded: Callable[[], bool]) -> None:
         """Until every key is in the store; a member that failed never writes its key, so
         a newer recover plan (which leaves it out) ends the wait. The store has no way to
         wake us, so it is polled between waits on our own condition."""

@@ -1,19 +1,77 @@
-"""The rendezvous store's host: one TCPStore server per job, in a process that does not
+"""The rendezvous store's host: one replica of a job's store, in a process that does not
 train (the rendezvous service, or `trainmover up` itself), never on a training machine
-that could be migrated away. Any reachable TCPStore can take its place (workers are
-given its address)."""
+that could be migrated away.
+
+A job runs one replica, or several (the rendezvous service's `--replicas`), of which
+exactly one serves; each names its role under ROLE_KEY (`trainmover.runtime.storeclient`),
+and clients use the serving one. A standby watches the others: when none serves, the
+first live replica in the list's order promotes itself, after TAKEOVER_S.
+A serving replica that sees an earlier one serving too (two sides of a healed partition)
+steps down (`demoted`): its process exits and comes back a standby, and its clients move
+to the earlier one. Replicas hold no state of their own worth keeping: clients re-cast
+their share of it into whichever serves next.
+"""
 
 from __future__ import annotations
 
+import secrets
+import threading
+import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from trainmover.runtime.storeclient import (
+    ANSWER_S,
+    ROLE_KEY,
+    SERVING,
+    STANDBY,
+    UNKNOWN,
+    reachable,
+    replicas,
+)
+
+#: Seconds between two looks at the other replicas.
+POLL_S = 0.1
+#: How long a standby sees no replica serving before it takes over: several looks, so
+#: that one slow answer on a loaded host is not taken for a loss (two replicas would
+#: serve until the later one steps down).
+TAKEOVER_S = 1.0
+
+
+class _Peer:
+    """Another replica, looked at through one lasting client: a TCPStore server stalls
+    for seconds after a few dozen new connections, so looks must not open one each."""
+
+    def __init__(self, address: str):
+        self.host, self.port = replicas(address)[0]
+        self._client: dist.TCPStore | None = None
+
+    def look(self) -> tuple[str, str] | None:
+        """(role, incarnation); None when nothing listens; UNKNOWN when it does not
+        answer (it may serve)."""
+        try:
+            if self._client is None:
+                if not reachable(self.host, self.port):
+                    return None
+                self._client = dist.TCPStore(
+                    self.host, self.port, is_master=False, timeout=timedelta(seconds=ANSWER_S)
+                )
+            if not self._client.check([ROLE_KEY]):
+                return None
+            role, _, incarnation = self._client.get(ROLE_KEY).decode().partition(" ")
+            return role, incarnation
+        except RuntimeError:
+            self._client = None
+            return (UNKNOWN, "") if reachable(self.host, self.port) else None
+
 
 class RendezvousHost:
-    """A TCPStore server, hosted by this (non-training) process: on an ephemeral port by
-    default, or on `port` (the rendezvous service's). `address` is what workers dial;
-    `host` "0.0.0.0" listens everywhere and `advertise` names this machine then."""
+    """One replica of the store, hosted by this (non-training) process: on an ephemeral
+    port by default, or on `port`. `address` is what workers dial; `host` "0.0.0.0"
+    listens everywhere and `advertise` names this machine then. `peers` are the other
+    replicas' addresses in the job's order, `index` this one's place among them all."""
 
     def __init__(
         self,
@@ -21,6 +79,8 @@ class RendezvousHost:
         timeout_s: float = 120.0,
         port: int = 0,
         advertise: str | None = None,
+        peers: Sequence[str] = (),
+        index: int = 0,
     ):
         self._store = dist.TCPStore(
             host,
@@ -31,10 +91,52 @@ class RendezvousHost:
         )
         self.port = self._store.port
         self.address = f"{advertise or host}:{self.port}"
+        self.incarnation = secrets.token_hex(6)
+        self._lock = threading.Lock()  # the master client is shared with /healthz
+        self._peers = [_Peer(p) for p in peers]
+        self._index = index
+        #: Set when this replica stepped down for an earlier one (its process then exits).
+        self.demoted = threading.Event()
+        #: Set each time this replica starts serving.
+        self.promoted = threading.Event()
+        self._closed = threading.Event()
+        self.role = ""
+        if self._peers:
+            self._set_role(STANDBY)
+            threading.Thread(target=self._watch, name="rendezvous-peers", daemon=True).start()
+        else:
+            self._set_role(SERVING)
+
+    def _set_role(self, role: str) -> None:
+        with self._lock:
+            self._store.set(ROLE_KEY, f"{role} {self.incarnation}")
+        self.role = role
+        if role == SERVING:
+            self.promoted.set()
+
+    def _watch(self) -> None:
+        served_at = time.monotonic()
+        while not self._closed.wait(POLL_S):
+            seen = [peer.look() for peer in self._peers]
+            earlier = seen[: self._index]
+            serving = [i for i, s in enumerate(seen) if s is not None and s[0] == SERVING]
+            if self.role == SERVING:
+                if any(i < self._index for i in serving):
+                    self.demoted.set()
+                    return
+                continue
+            now = time.monotonic()
+            if serving or any(s is not None and s[0] == UNKNOWN for s in seen):
+                served_at = now  # one that listens and does not answer may serve
+            # The first live replica takes over; an earlier standby that lives will.
+            if now - served_at >= TAKEOVER_S and all(s is None for s in earlier):
+                self._set_role(SERVING)
 
     def keys(self) -> int:
         """Keys in the store: a round trip through its server (a liveness check)."""
-        return self._store.num_keys()
+        with self._lock:
+            return self._store.num_keys()
 
     def close(self) -> None:
+        self._closed.set()
         del self._store

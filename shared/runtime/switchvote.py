@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-import torch.distributed as dist
+from trainmover.runtime.storeclient import Store
 
 Decision = Literal["switch", "drop"]
 SWITCH: Decision = "switch"
@@ -39,7 +39,7 @@ _POLL_S = 0.02
 class SwitchVote:
     """The store's side of the switch agreement for one plan (module docstring)."""
 
-    def __init__(self, job: str, plan_id: str, store: Callable[[], dist.Store]):
+    def __init__(self, job: str, plan_id: str, store: Callable[[], Store]):
         self.job, self.plan_id = job, plan_id
         #: A fresh client of the rendezvous store (callers run on different threads).
         self._store = store
@@ -49,9 +49,9 @@ class SwitchVote:
 
     def accept(self, step: int, committers: int) -> None:
         """This committer took k = `step`; the last of `committers` decides "switch"."""
-        store = self._store()
-        if store.add(self.key(step, "accepted"), 1) >= committers:
-            store.compare_set(self.key(step, "decision"), "", SWITCH)
+        self._store().vote(
+            self.key(step, "accepted"), committers, self.key(step, "decision"), SWITCH
+        )
 
     def refuse(self, step: int) -> None:
         """This rank refused k: nobody switches at it."""

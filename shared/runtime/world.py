@@ -35,13 +35,13 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import structlog
-import torch.distributed as dist
 
 from trainmover.runtime.abort import POLL_S, AbortSignal, StepAborted
 from trainmover.runtime.build import BuildAbandoned, GroupBuilder
 from trainmover.runtime.groups import Group, retire
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.steptime import WAITS
+from trainmover.runtime.storeclient import Store
 
 #: The name every world incarnation starts with ("world.<epoch>.<step>").
 WORLD = "world"
@@ -71,7 +71,7 @@ class LazyWorld:
         size: int,
         *,
         slot: Callable[[], str],
-        store: Callable[[], dist.Store],
+        store: Callable[[], Store],
         build: Callable[[list[GroupSpec], str], GroupBuilder],
         signal: AbortSignal,
         timeout_s: float,
@@ -85,8 +85,8 @@ class LazyWorld:
         self._signal = signal
         self._timeout_s = timeout_s
         self._log = log
-        self._store: dist.Store | None = None
-        self._waiter: dist.Store | None = None  # the barrier helper's client
+        self._store: Store | None = None
+        self._waiter: Store | None = None  # the barrier helper's client
         self._group: Group | None = None
         self._checked = ""  # the slot whose barrier this rank passed
         self._lock = threading.Lock()
@@ -141,14 +141,16 @@ class LazyWorld:
             store.set(self._key(slot, "rebuild"), "1")
         started = time.monotonic()
         with WAITS.waiting():
-            if store.add(self._key(slot, "arrived"), 1) == self.size:
-                store.set(self._key(slot, "all"), "1")
+            arrived = store.vote(self._key(slot, "arrived"), self.size, self._key(slot, "all"), "1")
+            if arrived == self.size:
                 self._forget(store, previous)
             else:
                 self._wait_all(store, slot, started)
+        if previous:
+            store.forget(self._key(previous, ""))
         return store.check([self._key(slot, "rebuild")])
 
-    def _wait_all(self, store: dist.Store, slot: str, started: float) -> None:
+    def _wait_all(self, store: Store, slot: str, started: float) -> None:
         """Until the slot's last arrival. A store wait cannot be interrupted, so a helper
         thread makes it on a client of its own, and this thread waits for the helper or
         the abort signal; an abandoned helper keeps its client until its wait ends."""
@@ -171,7 +173,7 @@ class LazyWorld:
                 self._waiter = None  # still blocked: never used again
                 raise StepAborted(f"{WORLD}: step aborted ({self._signal.reason})")
         if failed:
-            arrived = store.add(self._key(slot, "arrived"), 0)
+            arrived = store.count(self._key(slot, "arrived"))
             raise WorldGroupTimeout(
                 f"a collective on the default (world) group at {slot} (epoch/step): "
                 f"{arrived} of {self.size} ranks reached their first world collective "
@@ -181,7 +183,7 @@ class LazyWorld:
                 "rt.process_group('tp' | 'pp' | 'dp')"
             )
 
-    def _forget(self, store: dist.Store, slot: str) -> None:
+    def _forget(self, store: Store, slot: str) -> None:
         """The last arrival of a slot: every rank has passed the previous one."""
         if slot:
             for what in ("arrived", "all", "rebuild"):

@@ -135,6 +135,22 @@ def test_scale(tmp_path: Path) -> None:
         assert isinstance(p["delta_setup_s"], float)
 
 
+@pytest.mark.timeout(600)
+def test_store(tmp_path: Path) -> None:
+    out = tmp_path / "store.json"
+    args = ["store", "--json", str(out), "--kills", "1", "--ranks", "2,4", "--steps", "12",
+            "--rounds", "1"]  # fmt: skip
+    assert bench_main(args) == 0
+    data = check_outputs(out)
+    check_keys(data, ["loss.lost_s_median", "loss.median_step_s", "projection.trainmover.at_1024_ms",
+                      "goals.vote_share_at_largest", "goals.projected_share_at_1024"])  # fmt: skip
+    (loss,) = data["loss"]["rows"]
+    assert loss["new_incarnation"] and loss["failures_declared"] == 0
+    assert [r["ranks"] for r in data["votes"]] == [2, 4]
+    for row in data["votes"]:
+        assert row["trainmover_vote_ms"] > 0 and row["tcpstore_vote_ms"] > 0
+
+
 @pytest.mark.parametrize("layout", ["1x2x2", "2x2x2", "8x8x16"])
 def test_projected_counts_match_the_layout(layout: str) -> None:
     from trainmover.bench.scale import check_counts

@@ -4,7 +4,6 @@ answers and record store, checkpoints, and the unplanned plan's state sources.""
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from trainmover.runtime.sandbox import (
     sandbox_specs,
 )
 from trainmover.runtime.state import TrainingState
+from trainmover.runtime.storeclient import Store
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ def test_checkpoints_are_atomic_pruned_and_agreed(tmp_path: Path, store_address:
     agreed: dict[int, int] = {}
 
     def agree(i: int) -> None:  # each rank on its own store connection, concurrently
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+        store = Store(store_address, 30)
         agreed[i] = checkpoint.agree_step(store, "p/", roles[i], roles, tmp_path, 30)
 
     threads = [threading.Thread(target=agree, args=(i,)) for i in range(2)]

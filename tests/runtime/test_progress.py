@@ -92,6 +92,7 @@ class _ScriptedBoard:
     """A board whose reads are scripted: enough to see when the watch reads and judges."""
 
     interval_s = 0.25
+    moved_at = float("-inf")
 
     def __init__(self) -> None:
         self.progress = Progress(done=3)
@@ -110,6 +111,21 @@ class _ScriptedBoard:
     def examine(self, epoch, step, first, waited_s, median_step_s):  # type: ignore[no-untyped-def]
         self.examined.append(waited_s)
         return None
+
+
+def test_nobody_is_judged_while_the_board_refills_after_a_store_move(monkeypatch) -> None:
+    board = _ScriptedBoard()
+    watch = StallWatch(board=board, report=lambda s: None, floor_s=1.5)  # type: ignore[arg-type]
+    for seconds in (0.1, 0.1, 0.1):
+        watch.step_done(seconds)
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    board.moved_at = 99.0  # everyone waited for the store: the wait is not a stall
+    watch.stalled("e0", 7, 3.0)
+    assert board.claims == [] and board.reads == 0
+    clock[0] = 99.0 + 1.5 + 0.5  # threshold and two beacon intervals after the move
+    watch.stalled("e0", 7, 5.0)
+    assert board.claims == [("e0", 7, 3)] and board.reads == 1
 
 
 def test_the_judge_reads_ahead_so_its_verdict_falls_on_the_threshold(monkeypatch) -> None:
@@ -172,6 +188,7 @@ def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
     with _boards(3) as boards:
         boards[0].progress.voted = 5
         boards[2].progress.done = 2  # past its first step: judged as computing
+        _until(lambda: None not in boards[0].read().values(), "entry of every rank")
         boards[1].close()  # a stopped process: its entry stays as it was
         stall = None
         while stall is None:  # entries appear within one interval

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from trainmover.runtime.layout import Layout
 from trainmover.runtime.plan import compute_delta
+from trainmover.runtime.storeclient import Store
 from trainmover.runtime.switchvote import DROP, SWITCH, SwitchVote
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,8 +23,8 @@ def store() -> Iterator[dist.TCPStore]:
 
 
 def _vote(store: dist.TCPStore, plan_id: str = "p1") -> SwitchVote:
-    def client() -> dist.Store:
-        return dist.TCPStore("127.0.0.1", store.port, is_master=False)
+    def client() -> Store:
+        return Store(f"127.0.0.1:{store.port}", 60)
 
     return SwitchVote("j", plan_id, client)
 

@@ -16,6 +16,7 @@ from trainmover.runtime import logs
 from trainmover.runtime.abort import AbortSignal, StepAborted
 from trainmover.runtime.build import GroupBuilder
 from trainmover.runtime.plan import GroupSpec, RankRef
+from trainmover.runtime.storeclient import Store
 from trainmover.runtime.world import LazyWorld, WorldGroupTimeout
 
 SIZE = 3
@@ -31,15 +32,17 @@ class Ranks:
         self.signals = [AbortSignal("e0", timeout_s) for _ in range(SIZE)]
         self.worlds = [self._world(r, timeout_s) for r in range(SIZE)]
 
-    def _client(self) -> dist.TCPStore:
-        return dist.TCPStore("127.0.0.1", self.master.port, is_master=False)
+    def _client(self) -> Store:
+        return Store(f"127.0.0.1:{self.master.port}", 60)
 
     def _world(self, rank: int, timeout_s: float) -> LazyWorld:
         me = RankRef(machine=f"m{rank}", local_rank=0)
         signal = self.signals[rank]
 
         def build(specs: list[GroupSpec], name: str) -> GroupBuilder:
-            return GroupBuilder(specs, me, self._client(), "job", CPU, timeout_s, signal).start()
+            return GroupBuilder(
+                specs, me, self._client().raw(), "job", CPU, timeout_s, signal
+            ).start()
 
         return LazyWorld(
             me,

@@ -1,0 +1,414 @@
+"""The rendezvous store as a rank uses it: whichever replica serves, and this process's
+share of the store's state re-cast into a new incarnation when the serving one is lost.
+
+The job's store is one or more replicas (`host:port,host:port`,
+`trainmover.runtime.rendezvous`), exactly one of them serving; each names its role and
+incarnation under ROLE_KEY. A client uses the serving replica; when an operation finds
+it gone (a `DistNetworkError`), the client looks for the serving one again (a standby
+promoted, or the same replica restarted) for up to its timeout, then retries there.
+
+Nothing in a store replica is durable, and none of it needs to be: every key the
+runtime's agreements use is either written once (a decision, a claim, a barrier flag)
+or a counter of votes. Each process keeps its share:
+
+- facts: every write-once value it wrote, or read, or lost a compare-and-set to;
+- votes: what it added to each counter, and the decision that the counter's threshold
+  makes (`vote`: whoever brings the counter to its threshold writes the decision).
+
+On a new incarnation the process re-casts its share there before any other operation of
+its own: facts first, with compare-and-set from empty (a value seen anywhere stays the
+value), then its votes, each re-deciding its threshold. A counter reaches its threshold
+in the new incarnation only once every voter has re-cast, and every voter re-cast its
+facts before its votes, so a threshold's decision can never displace one that any
+process had seen (an "abort" read before the loss stays "abort"). The store's loss thus
+costs a pause, never a decision, and existing communication groups never notice it
+(gloo and NCCL use the store only while a group is built; a build in flight fails, and
+the migration that needed it is re-planned).
+
+A caller keeps its share bounded with `forget(prefix)` once nobody can ask for those
+keys again. Clients that write what changes (the progress board) use `recast=False`.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+#: Where each replica names its role ("serving <incarnation>" or "standby <incarnation>").
+ROLE_KEY = "__trainmover/replica"
+SERVING, STANDBY = "serving", "standby"
+#: What `probe` says of a replica that listens but did not answer in time.
+UNKNOWN = "unknown"
+#: How long a connection to a replica may take (a dead host fails after this; a dead
+#: process at once).
+CONNECT_S = 0.5
+#: How long a replica that accepted the connection may take to answer (a loaded host).
+ANSWER_S = 5.0
+#: Pause between two rounds over the replicas while none serves.
+_ROUND_S = 0.05
+
+T = TypeVar("T")
+
+
+class StoreLost(RuntimeError):
+    """No replica of the rendezvous store served within the time given."""
+
+
+def replicas(address: str) -> list[tuple[str, int]]:
+    """(host, port) of each replica of `address` ("host:port[,host:port...]")."""
+    out = []
+    for part in address.split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"rendezvous store {part!r} in {address!r}: not HOST:PORT")
+        out.append((host, int(port)))
+    if not out:
+        raise ValueError("no rendezvous store address")
+    return out
+
+
+def reachable(host: str, port: int) -> bool:
+    """Something listens at host:port (a TCPStore client would retry for its whole
+    timeout instead)."""
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_S).close()
+    except OSError:
+        return False
+    return True
+
+
+def probe(host: str, port: int, plain: bool = False) -> tuple[str, str] | None:
+    """(role, incarnation) of the replica at host:port; None when nothing listens there,
+    (UNKNOWN, "") when it listens but does not answer in time (it may well serve). With
+    `plain`, a store that names no role (any TCPStore, as the job's only one) serves, as
+    one incarnation."""
+    if not reachable(host, port):
+        return None
+    try:
+        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=ANSWER_S))
+        if not client.check([ROLE_KEY]):
+            return (SERVING, "") if plain else None
+        role, _, incarnation = client.get(ROLE_KEY).decode().partition(" ")
+    except RuntimeError:
+        return UNKNOWN, ""
+    return role, incarnation
+
+
+@dataclass
+class _Vote:
+    counter: str
+    n: int
+    threshold: int
+    decision: str
+    value: str
+
+
+class Share:
+    """One process's view of one store (all its clients of `address`): the serving
+    replica, its incarnation, and what this process re-casts into the next one."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._replicas = replicas(address)
+        self._lock = threading.Lock()
+        #: Bumped at every move to another replica; a client of an older one reconnects.
+        self.generation = 0
+        #: The serving replica's incarnation (None: not looked for yet).
+        self.incarnation: str | None = None
+        self._serving: tuple[str, int] | None = None
+        self._facts: dict[str, str] = {}
+        self._votes: dict[str, _Vote] = {}
+        #: Per incarnation, what this process's votes added to each counter there (an
+        #: add whose answer was lost counts: a vote is never cast twice into one).
+        self._cast: dict[str, dict[str, int]] = {}
+        self._recaster: dist.TCPStore | None = None
+        #: Called (generation, incarnation) after each move, outside the lock.
+        self.on_move: list[Callable[[int, str], None]] = []
+
+    def serving(self, deadline: float) -> tuple[tuple[str, int], int, str]:
+        """The serving replica, its generation and incarnation, looked for until
+        `deadline`."""
+        with self._lock:
+            if self._serving is None:
+                self._find(deadline)
+            assert self._serving is not None and self.incarnation is not None
+            return self._serving, self.generation, self.incarnation
+
+    def lost(self, generation: int, deadline: float) -> None:
+        """A client of `generation` lost its replica: move on (once for every client of
+        that generation), re-casting this process's share."""
+        moved: tuple[int, str] | None = None
+        with self._lock:
+            if generation == self.generation:
+                before, gone = self.incarnation, self._serving
+                self._serving, self._recaster = None, None
+                self._find(deadline, gone)
+                if self.incarnation != before:
+                    moved = (self.generation, self.incarnation or "")
+        if moved is not None:
+            for callback in list(self.on_move):
+                callback(*moved)
+
+    def _find(self, deadline: float, gone: tuple[str, int] | None = None) -> None:
+        # The one just lost last: it is the least likely to serve now.
+        order = sorted(self._replicas, key=lambda r: r == gone)
+        while True:
+            for host, port in order:
+                seen = probe(host, port, plain=len(self._replicas) == 1)
+                if seen is not None and seen[0] == SERVING:
+                    self._serving = (host, port)
+                    if seen[1] != self.incarnation:
+                        fresh = self.incarnation is not None
+                        self.incarnation = seen[1]
+                        self.generation += 1
+                        if fresh:
+                            self._recast_all(deadline)
+                    return
+            if time.monotonic() >= deadline:
+                raise StoreLost(
+                    f"no replica of the rendezvous store {self.address} serves"
+                    + (" (the one in use was lost)" if gone else "")
+                )
+            time.sleep(_ROUND_S)
+
+    def _client(self, deadline: float) -> dist.TCPStore:
+        if self._recaster is None:
+            assert self._serving is not None
+            host, port = self._serving
+            timeout = timedelta(seconds=max(deadline - time.monotonic(), ANSWER_S))
+            self._recaster = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        return self._recaster
+
+    def _recast_all(self, deadline: float) -> None:
+        client = self._client(deadline)
+        for key, value in self._facts.items():
+            client.compare_set(key, "", value)
+        assert self.incarnation is not None
+        cast = self._cast.setdefault(self.incarnation, {})
+        for old in list(self._cast)[:-4]:  # incarnations this process will not meet again
+            del self._cast[old]
+        for vote in self._votes.values():
+            owed = vote.n - cast.get(vote.counter, 0)
+            if owed > 0:
+                cast[vote.counter] = vote.n
+                self._decide(client, vote, client.add(vote.counter, owed))
+
+    def claim(self, incarnation: str, counter: str) -> bool:
+        """True when this process's vote on `counter` is still to be cast into
+        `incarnation` (it is then taken as cast)."""
+        with self._lock:
+            vote = self._votes.get(counter)
+            cast = self._cast.setdefault(incarnation, {})
+            if vote is None or cast.get(counter, 0) >= vote.n:
+                return False
+            cast[counter] = cast.get(counter, 0) + 1
+            return True
+
+    def _decide(self, client: dist.TCPStore, vote: _Vote, count: int) -> None:
+        if vote.threshold and count >= vote.threshold:
+            self._facts[vote.decision] = client.compare_set(vote.decision, "", vote.value).decode()
+
+    @staticmethod
+    def is_current(client: dist.TCPStore, expected: str) -> bool:
+        """`client` reaches incarnation `expected`."""
+        if not expected:  # a plain store: it names no role
+            return True
+        if not client.check([ROLE_KEY]):
+            return False
+        return client.get(ROLE_KEY).decode() == f"{SERVING} {expected}"
+
+    # -- the share -----------------------------------------------------------------------
+
+    def fact(self, key: str, value: str, generation: int, deadline: float) -> None:
+        """`key` holds `value` (seen on `generation`); re-cast now if the store moved
+        since."""
+        with self._lock:
+            self._facts[key] = value
+            if generation != self.generation and self._serving is not None:
+                self._client(deadline).compare_set(key, "", value)
+
+    def vote(self, vote: _Vote) -> None:
+        """Records a vote before it is cast (a move after this re-casts it)."""
+        with self._lock:
+            known = self._votes.get(vote.counter)
+            if known is not None:
+                vote.n += known.n
+            self._votes[vote.counter] = vote
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._facts.pop(key, None)
+            self._votes.pop(key, None)
+
+    def forget(self, prefix: str) -> None:
+        """Nobody will ask for keys under `prefix` again."""
+        with self._lock:
+            tables: list[dict[str, Any]] = [self._facts, self._votes, *self._cast.values()]
+            for table in tables:
+                for key in [k for k in table if k.startswith(prefix)]:
+                    del table[key]
+
+    def size(self) -> int:
+        with self._lock:
+            return len(self._facts) + len(self._votes)
+
+
+_SHARES: dict[str, Share] = {}
+_SHARES_LOCK = threading.Lock()
+
+
+def share_of(address: str) -> Share:
+    """This process's share of the store at `address` (one per address)."""
+    with _SHARES_LOCK:
+        share = _SHARES.get(address)
+        if share is None:
+            share = _SHARES[address] = Share(address)
+        return share
+
+
+class Store:
+    """A client of the job's rendezvous store for one thread, failing over between its
+    replicas (module docstring). The operations are TCPStore's; `vote` adds a counted
+    decision, and `raw()` gives a plain TCPStore of the serving replica (for a group's
+    backend, which must not outlive an incarnation anyway)."""
+
+    def __init__(
+        self, address: str, timeout_s: float, recast: bool = True, share: Share | None = None
+    ):
+        if not address:
+            raise RuntimeError("no rendezvous store known (a standby learns it when it joins)")
+        #: This process's share (`share`: another one, as a second process would have).
+        self.share = share or share_of(address)
+        self.timeout_s = timeout_s
+        self._recast = recast
+        self._tcp: dist.TCPStore | None = None
+        self._generation = -1
+        self._incarnation = ""
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
+
+    def _open(self, deadline: float) -> tuple[dist.TCPStore, int]:
+        """A new client of the serving replica, and its generation: checked to be the
+        incarnation this process uses (a replica restarted on the same port is a
+        standby, or another incarnation, until this process moves)."""
+        while True:
+            (host, port), generation, incarnation = self.share.serving(deadline)
+            try:
+                # A short connect (a client retries a refused one for its whole timeout).
+                client = dist.TCPStore(
+                    host, port, is_master=False, timeout=timedelta(seconds=CONNECT_S * 4)
+                )
+                client.set_timeout(timedelta(seconds=self.timeout_s))
+                if self.share.is_current(client, incarnation):
+                    self._incarnation = incarnation
+                    return client, generation
+            except RuntimeError:
+                pass
+            self.share.lost(generation, deadline)
+
+    def _connected(self, deadline: float) -> tuple[dist.TCPStore, int]:
+        if self._tcp is None or self.share.generation != self._generation:
+            self._tcp, self._generation = self._open(deadline)
+        return self._tcp, self._generation
+
+    def _run(
+        self,
+        op: Callable[[dist.TCPStore], T],
+        first: Callable[[dist.TCPStore, int], T] | None = None,
+    ) -> tuple[T, int]:
+        """`op` on the serving replica, retried on the next one when it is lost;
+        `first(client, generation)` instead of `op` on the first attempt."""
+        deadline = self._deadline()
+        attempt = 0
+        while True:
+            client, generation = self._connected(deadline)
+            try:
+                if attempt == 0 and first is not None:
+                    return first(client, generation), generation
+                return op(client), generation
+            except dist.DistNetworkError:
+                self._tcp = None
+                self.share.lost(generation, deadline)
+            attempt += 1
+
+    def _fact(self, key: str, value: bytes, generation: int) -> bytes:
+        if self._recast:
+            self.share.fact(key, value.decode(), generation, self._deadline())
+        return value
+
+    # -- TCPStore's operations -------------------------------------------------------------
+
+    def set(self, key: str, value: str) -> None:
+        if self._recast:
+            self.share.fact(key, value, self.share.generation, self._deadline())
+        self._run(lambda s: s.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        value, generation = self._run(lambda s: s.get(key))
+        return self._fact(key, value, generation)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        value, generation = self._run(lambda s: s.compare_set(key, expected, desired))
+        return self._fact(key, value, generation)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        values, generation = self._run(lambda s: s.multi_get(keys))
+        return [self._fact(k, v, generation) for k, v in zip(keys, values, strict=True)]
+
+    def check(self, keys: list[str]) -> bool:
+        return self._run(lambda s: s.check(keys))[0]
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        end = time.monotonic() + timeout.total_seconds()
+
+        def wait(s: dist.TCPStore) -> None:
+            s.wait(keys, timedelta(seconds=max(end - time.monotonic(), 0.001)))
+
+        self._run(wait)
+
+    def count(self, counter: str) -> int:
+        """The counter's value (an add of 0)."""
+        return self._run(lambda s: s.add(counter, 0))[0]
+
+    def delete_key(self, key: str) -> bool:
+        self.share.drop(key)
+        return self._run(lambda s: s.delete_key(key))[0]
+
+    def num_keys(self) -> int:
+        return self._run(lambda s: s.num_keys())[0]
+
+    # -- counted decisions -----------------------------------------------------------------
+
+    def vote(self, counter: str, threshold: int, decision: str, value: str) -> int:
+        """Adds one to `counter`; whoever brings it to `threshold` writes `value` into
+        `decision` unless it holds one. Returns the counter as this vote left it (or, after
+        a move, as it is now: the move re-cast this vote)."""
+        self.share.vote(_Vote(counter, 1, threshold, decision, value))
+
+        def first(s: dist.TCPStore, generation: int) -> int:
+            # A move since the vote was recorded may have re-cast it already.
+            return s.add(counter, 1 if self.share.claim(self._incarnation, counter) else 0)
+
+        # A retry does not know whether the lost attempt counted: it only reads (a vote
+        # missing is a stall the timeout ends; a vote counted twice would be a commit).
+        count, _ = self._run(lambda s: s.add(counter, 0), first)
+        if threshold and count >= threshold:
+            self.compare_set(decision, "", value)
+        return count
+
+    def forget(self, prefix: str) -> None:
+        self.share.forget(prefix)
+
+    def raw(self) -> dist.TCPStore:
+        """A plain TCPStore client of the serving replica, of this thread's own."""
+        return self._open(self._deadline())[0]
