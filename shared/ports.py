@@ -62,12 +62,14 @@ SERVICE_FLAGS: Final = MappingProxyType(
         | {
             "--machine",  # this machine's name in the job (the node's or pod's name)
             "--standby",  # join the standby pool (warm, not training) instead of a role
-            "--rendezvous",  # HOST:PORT of the rendezvous service's store
+            "--rendezvous",  # HOST:PORT[,HOST:PORT...] of the store's replicas
         },
         "rendezvous": HTTP_FLAGS
         | {
             "--store-host",  # listen address of the store (0.0.0.0)
             "--store-port",  # RENDEZVOUS_PORT
+            "--replicas",  # every replica of the store, as the sidecars name them
+            "--replica-index",  # this replica's place among them
         },
     }
 )

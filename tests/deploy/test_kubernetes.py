@@ -168,6 +168,8 @@ def test_training_pods_match_the_layout(tmp_path: Path) -> None:
     standbys = 0
     for sts in of_kind("StatefulSet"):
         name = sts["metadata"]["name"]
+        if name == RENDEZVOUS_SERVICE:
+            continue
         assert sts["spec"]["serviceName"] == "trainmover-machines"
         pod_labels = sts["spec"]["template"]["metadata"]["labels"]
         assert headless["spec"]["selector"].items() <= pod_labels.items()
@@ -228,33 +230,45 @@ def test_files_parse_as_the_kinds_they_hold() -> None:
     assert kinds["job-config.yaml"] == ["ConfigMap"]
     assert kinds["training.yaml"] == ["Service", "StatefulSet", "StatefulSet"]
     assert kinds["monitoring.yaml"] == ["ServiceMonitor", "PrometheusRule"]
-    for service in (*SERVICES, "rendezvous"):
+    for service in SERVICES:
         assert kinds[f"{service}.yaml"] == ["Deployment", "Service"]
+    assert kinds["rendezvous.yaml"] == ["StatefulSet", "Service", "PodDisruptionBudget"]
 
 
 RENDEZVOUS_SERVICE = "trainmover-rendezvous"
 
 
-def test_rendezvous_deployment_serves_the_store_off_the_training_pods() -> None:
-    deployment = find("Deployment", RENDEZVOUS_SERVICE)
-    # One store per job, never two: a second replica would split the job's groups.
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"]["type"] == "Recreate"
-    c = container(deployment, "rendezvous")
+def test_rendezvous_replicas_serve_the_store_off_the_training_pods() -> None:
+    sts = find("StatefulSet", RENDEZVOUS_SERVICE)
+    # Two replicas on two nodes, a node drain taking one at a time: no store SPOF.
+    assert sts["spec"]["replicas"] == 2
+    spread = sts["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    (rule,) = spread["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert rule["topologyKey"] == "kubernetes.io/hostname"
+    pdb = find("PodDisruptionBudget", RENDEZVOUS_SERVICE)
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"] == sts["spec"]["selector"]
+    c = container(sts, "rendezvous")
     assert c["image"] == ports.IMAGE
     command = check_command(["trainmover", *c["args"]])
     assert command.service == "rendezvous"
-    store_port = int(command.flags["--store-port"] or 0)
-    assert store_port == ports.RENDEZVOUS_PORT == named_port(c, "store")
+    listed = command.flags["--replicas"].split(",")
+    names = [f"{RENDEZVOUS_SERVICE}-{i}.{sts['spec']['serviceName']}" for i in range(2)]
+    assert listed == [f"{n}:{ports.RENDEZVOUS_PORT}" for n in names]
+    assert ports.RENDEZVOUS_PORT == named_port(c, "store")
+    # Each pod's ordinal is its place in the list.
+    (index,) = c["env"]
+    assert command.flags["--replica-index"] == f"$({index['name']})"
+    assert index["valueFrom"]["fieldRef"]["fieldPath"].endswith("['apps.kubernetes.io/pod-index']")
     assert named_port(c, "http") == command.http_port
     # Reachable from other pods: both listeners on every address of the pod.
     assert command.flags["--store-host"] == command.flags["--http-host"] == "0.0.0.0"
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": ports.HEALTH_PATH, "port": "http"}
-    assert "env" not in c  # no bus credentials: it does not use the bus
 
     svc = find("Service", RENDEZVOUS_SERVICE)
-    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= pod_labels.items()
     by_name = {p["name"]: p for p in svc["spec"]["ports"]}
     assert by_name["store"]["port"] == ports.RENDEZVOUS_PORT
@@ -265,7 +279,14 @@ def test_rendezvous_deployment_serves_the_store_off_the_training_pods() -> None:
 def test_every_sidecar_points_at_the_rendezvous_service() -> None:
     svc = find("Service", RENDEZVOUS_SERVICE)
     store = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "store")
+    replicas = find("StatefulSet", RENDEZVOUS_SERVICE)
+    expected = ",".join(
+        f"{RENDEZVOUS_SERVICE}-{i}.{RENDEZVOUS_SERVICE}:{store}"
+        for i in range(replicas["spec"]["replicas"])
+    )
     for sts in of_kind("StatefulSet"):
+        if sts["metadata"]["name"] == RENDEZVOUS_SERVICE:
+            continue
         command = check_command(["trainmover", *container(sts, "sidecar")["args"]])
-        # The Service's name in the pods' own namespace, and its store port.
-        assert command.flags["--rendezvous"] == f"{RENDEZVOUS_SERVICE}:{store}"
+        # Every replica by its name in the pods' own namespace, in the replicas' order.
+        assert command.flags["--rendezvous"] == expected
