@@ -16,7 +16,9 @@ Kinds (FAULT_KINDS):
   JetStream state; half the time while a drain is in phase 1;
 - nats_node_kill (with `--nats-cluster N`): one server of the cluster SIGKILLed and
   restarted with its state once recovered; half the time the leader of the job's EVENTS
-  stream or the meta leader, and half the time while a drain is in phase 1.
+  stream or the meta leader, and half the time while a drain is in phase 1;
+- store_kill: the serving replica of the rendezvous store SIGKILLed (the stack starts
+  it again; the soak runs two replicas); half the time while a drain is in phase 1.
 
 Killed machines are restarted as fresh standbys by the soak once the planner has let
 them go (they rejoin the pool after warming up), as a repaired node would.
@@ -48,6 +50,7 @@ FAULT_KINDS = (
     "leaver_dies",
     "nats_restart",
     "nats_node_kill",
+    "store_kill",
 )
 
 #: The faults a bus of one server allows (every kind but a cluster node's).
@@ -60,7 +63,7 @@ def default_kinds(nats_cluster: int) -> tuple[str, ...]:
 
 
 #: Faults whose recovery takes a warm standby from the pool.
-NEEDS_STANDBY = frozenset(FAULT_KINDS) - {"nats_restart", "nats_node_kill"}
+NEEDS_STANDBY = frozenset(FAULT_KINDS) - {"nats_restart", "nats_node_kill", "store_kill"}
 
 TERMINAL = ("done", "failed", "aborted", "rejected")
 
@@ -277,6 +280,20 @@ async def nats_node_kill(ctx: FaultContext) -> Injection:
     return injection
 
 
+async def store_kill(ctx: FaultContext) -> Injection:
+    async def kill(when: str) -> str:
+        name, _ = await asyncio.to_thread(ctx.cluster.stack.serving_replica)
+        await ctx.cluster.stack.restart_service(name)
+        return f"the serving store replica ({name}) SIGKILLed {when}"
+
+    async def in_phase1(_: MigrationProgress) -> str:
+        return "drain, " + await kill("in phase 1")
+
+    if ctx.rng.random() < 0.5:
+        return await _drain_then(ctx, "store_kill", ("phase1",), in_phase1)
+    return Injection("store_kill", None, await kill("while training"))
+
+
 INJECTORS: dict[str, Inject] = {
     "worker_kill": worker_kill,
     "machine_kill": machine_kill,
@@ -288,4 +305,5 @@ INJECTORS: dict[str, Inject] = {
     "leaver_dies": leaver_dies,
     "nats_restart": nats_restart,
     "nats_node_kill": nats_node_kill,
+    "store_kill": store_kill,
 }

@@ -133,6 +133,8 @@ class Soak:
             self.workdir / "soak",
             service_args=SOAK_SIGNALS,
             nats_cluster=self.s.nats_cluster,
+            # Two replicas of the store when it is among the faults (one is killed).
+            store_replicas=2 if "store_kill" in self.s.kinds else 0,
         )
         async with cluster:
             observer = await Observer(cluster).start()

@@ -22,15 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from trainmover.runtime.storeclient import (
-    ANSWER_S,
-    ROLE_KEY,
-    SERVING,
-    STANDBY,
-    UNKNOWN,
-    reachable,
-    replicas,
-)
+from trainmover.runtime.storeclient import ROLE_KEY, SERVING, STANDBY, UNKNOWN, Look, replicas
 
 #: Seconds between two looks at the other replicas.
 POLL_S = 0.1
@@ -38,33 +30,6 @@ POLL_S = 0.1
 #: that one slow answer on a loaded host is not taken for a loss (two replicas would
 #: serve until the later one steps down).
 TAKEOVER_S = 1.0
-
-
-class _Peer:
-    """Another replica, looked at through one lasting client: a TCPStore server stalls
-    for seconds after a few dozen new connections, so looks must not open one each."""
-
-    def __init__(self, address: str):
-        self.host, self.port = replicas(address)[0]
-        self._client: dist.TCPStore | None = None
-
-    def look(self) -> tuple[str, str] | None:
-        """(role, incarnation); None when nothing listens; UNKNOWN when it does not
-        answer (it may serve)."""
-        try:
-            if self._client is None:
-                if not reachable(self.host, self.port):
-                    return None
-                self._client = dist.TCPStore(
-                    self.host, self.port, is_master=False, timeout=timedelta(seconds=ANSWER_S)
-                )
-            if not self._client.check([ROLE_KEY]):
-                return None
-            role, _, incarnation = self._client.get(ROLE_KEY).decode().partition(" ")
-            return role, incarnation
-        except RuntimeError:
-            self._client = None
-            return (UNKNOWN, "") if reachable(self.host, self.port) else None
 
 
 class RendezvousHost:
@@ -93,7 +58,7 @@ class RendezvousHost:
         self.address = f"{advertise or host}:{self.port}"
         self.incarnation = secrets.token_hex(6)
         self._lock = threading.Lock()  # the master client is shared with /healthz
-        self._peers = [_Peer(p) for p in peers]
+        self._peers = [Look(*replicas(p)[0]) for p in peers]
         self._index = index
         #: Set when this replica stepped down for an earlier one (its process then exits).
         self.demoted = threading.Event()

@@ -52,7 +52,7 @@ CONNECT_S = 0.5
 #: How long a replica that accepted the connection may take to answer (a loaded host).
 ANSWER_S = 5.0
 #: Pause between two rounds over the replicas while none serves.
-_ROUND_S = 0.05
+_ROUND_S = 0.1
 
 T = TypeVar("T")
 
@@ -101,6 +101,34 @@ def probe(host: str, port: int, plain: bool = False) -> tuple[str, str] | None:
     return role, incarnation
 
 
+class Look:
+    """Looks at one replica through one lasting client. A TCPStore server stalls for
+    seconds after a burst of new connections (here: a few dozen within a second), so a
+    process that looks every few milliseconds must not open a connection each time."""
+
+    def __init__(self, host: str, port: int, plain: bool = False):
+        self.host, self.port, self.plain = host, port, plain
+        #: The client of the last look that got an answer (None after a failure).
+        self.client: dist.TCPStore | None = None
+
+    def look(self) -> tuple[str, str] | None:
+        """As `probe`, reusing the client while it answers."""
+        try:
+            if self.client is None:
+                if not reachable(self.host, self.port):
+                    return None
+                self.client = dist.TCPStore(
+                    self.host, self.port, is_master=False, timeout=timedelta(seconds=ANSWER_S)
+                )
+            if not self.client.check([ROLE_KEY]):
+                return (SERVING, "") if self.plain else None
+            role, _, incarnation = self.client.get(ROLE_KEY).decode().partition(" ")
+            return role, incarnation
+        except RuntimeError:
+            self.client = None
+            return (UNKNOWN, "") if reachable(self.host, self.port) else None
+
+
 @dataclass
 class _Vote:
     counter: str
@@ -128,7 +156,8 @@ class Share:
         #: Per incarnation, what this process's votes added to each counter there (an
         #: add whose answer was lost counts: a vote is never cast twice into one).
         self._cast: dict[str, dict[str, int]] = {}
-        self._recaster: dist.TCPStore | None = None
+        plain = len(self._replicas) == 1
+        self._looks = {r: Look(*r, plain=plain) for r in self._replicas}
         #: Called (generation, incarnation) after each move, outside the lock.
         self.on_move: list[Callable[[int, str], None]] = []
 
@@ -148,7 +177,7 @@ class Share:
         with self._lock:
             if generation == self.generation:
                 before, gone = self.incarnation, self._serving
-                self._serving, self._recaster = None, None
+                self._serving = None
                 self._find(deadline, gone)
                 if self.incarnation != before:
                     moved = (self.generation, self.incarnation or "")
@@ -160,17 +189,22 @@ class Share:
         # The one just lost last: it is the least likely to serve now.
         order = sorted(self._replicas, key=lambda r: r == gone)
         while True:
-            for host, port in order:
-                seen = probe(host, port, plain=len(self._replicas) == 1)
-                if seen is not None and seen[0] == SERVING:
-                    self._serving = (host, port)
-                    if seen[1] != self.incarnation:
-                        fresh = self.incarnation is not None
-                        self.incarnation = seen[1]
-                        self.generation += 1
-                        if fresh:
-                            self._recast_all(deadline)
-                    return
+            for replica in order:
+                look = self._looks[replica]
+                seen = look.look()
+                if seen is None or seen[0] != SERVING:
+                    continue
+                if seen[1] != self.incarnation:
+                    if self.incarnation is not None:
+                        try:
+                            self._recast_all(look, seen[1])
+                        except RuntimeError:
+                            look.client = None
+                            continue  # that one went too
+                    self.incarnation = seen[1]
+                    self.generation += 1
+                self._serving = replica
+                return
             if time.monotonic() >= deadline:
                 raise StoreLost(
                     f"no replica of the rendezvous store {self.address} serves"
@@ -178,20 +212,21 @@ class Share:
                 )
             time.sleep(_ROUND_S)
 
-    def _client(self, deadline: float) -> dist.TCPStore:
-        if self._recaster is None:
-            assert self._serving is not None
-            host, port = self._serving
-            timeout = timedelta(seconds=max(deadline - time.monotonic(), ANSWER_S))
-            self._recaster = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        return self._recaster
+    def _client(self) -> dist.TCPStore:
+        """The serving replica's client of its look: a re-cast opens no connection."""
+        assert self._serving is not None
+        client = self._looks[self._serving].client
+        if client is None:
+            raise StoreLost(f"the serving replica {self._serving} of {self.address} went")
+        return client
 
-    def _recast_all(self, deadline: float) -> None:
-        client = self._client(deadline)
+    def _recast_all(self, look: Look, incarnation: str) -> None:
+        """This process's share into `incarnation` (reached through `look`)."""
+        client = look.client
+        assert client is not None
         for key, value in self._facts.items():
             client.compare_set(key, "", value)
-        assert self.incarnation is not None
-        cast = self._cast.setdefault(self.incarnation, {})
+        cast = self._cast.setdefault(incarnation, {})
         for old in list(self._cast)[:-4]:  # incarnations this process will not meet again
             del self._cast[old]
         for vote in self._votes.values():
@@ -232,7 +267,10 @@ class Share:
         with self._lock:
             self._facts[key] = value
             if generation != self.generation and self._serving is not None:
-                self._client(deadline).compare_set(key, "", value)
+                try:
+                    self._client().compare_set(key, "", value)
+                except RuntimeError:
+                    pass  # lost again: the next move re-casts it with the rest
 
     def vote(self, vote: _Vote) -> None:
         """Records a vote before it is cast (a move after this re-casts it)."""
