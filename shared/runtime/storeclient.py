@@ -41,6 +41,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from trainmover.runtime.steptime import WAITS
+
 #: Where each replica names its role ("serving <incarnation>" or "standby <incarnation>").
 ROLE_KEY = "__trainmover/replica"
 SERVING, STANDBY = "serving", "standby"
@@ -356,7 +358,8 @@ class Store:
 
     def _connected(self, deadline: float) -> tuple[dist.TCPStore, int]:
         if self._tcp is None or self.share.generation != self._generation:
-            self._tcp, self._generation = self._open(deadline)
+            with WAITS.waiting():  # on the store: not computing (the progress board)
+                self._tcp, self._generation = self._open(deadline)
         return self._tcp, self._generation
 
     def _run(
@@ -376,7 +379,8 @@ class Store:
                 return op(client), generation
             except dist.DistNetworkError:
                 self._tcp = None
-                self.share.lost(generation, deadline)
+                with WAITS.waiting():  # for the store's takeover: not computing
+                    self.share.lost(generation, deadline)
             attempt += 1
 
     def _fact(self, key: str, value: bytes, generation: int) -> bytes:
