@@ -374,14 +374,18 @@ class Migration:
             phase=self.record.phase,
             error=error,
         )
+        # Nobody switched yet: the leavers still hold their roles and train on.
+        before_switch = self.record.phase in ("phase1", "committing")
         self.record.phase = "failed"
         self.record.error = error
         await self._save(self.record)
         if self.plan.migration == "planned":
             # A joiner may hold its role already and cannot give it back: its sidecar
             # relaunches it as a standby (the planner keeps it in maintenance meanwhile).
+            # A leaver that never handed its role over trains on: its sidecar says so.
+            told = self.plan.joiners() | (self.plan.leavers() if before_switch else set())
             try:
-                await self._all("abort", sorted(self.plan.joiners()))
+                await self._all("abort", sorted(told))
             except Exception as err:  # a dead joiner does not answer; the monitor saw it
                 log.warning("abort_failed", plan_id=self.plan.plan_id, error=str(err))
         await self._progress("failed", error, final=True)

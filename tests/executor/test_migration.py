@@ -234,6 +234,7 @@ def test_a_refused_command_fails_the_migration_and_aborts_the_joiner() -> None:
     assert final.phase == "failed"
     assert final.error is not None
     assert final.error.startswith("transferring: MigrationFailed: transfer on m1: no such plan")
+    # After the switch: only the joiner is told (it is relaunched as a standby).
     assert h.sidecars.machines("abort") == ["s0"]
     assert "release" not in [op for op, _ in h.sidecars.ops()]
     assert h.states()[-1] == "failed"
@@ -252,6 +253,17 @@ def test_a_leaver_whose_worker_died_is_left_to_the_planner_before_the_migration_
 
 
 # -- a failure ---------------------------------------------------------------------------
+
+
+def test_a_phase1_failure_tells_the_leaver_it_trains_on() -> None:
+    plan = drain_plan()
+    h = harness(plan, refuse={("prepare", "m1")})
+    final = h.run(MigrationRecord(plan=plan))
+    assert final.phase == "failed" and final.error is not None
+    assert final.error.startswith("phase1: MigrationFailed: prepare on m1")
+    # Before the switch the leaver m0 still holds its role: its sidecar stops saying
+    # "leaving"; the joiner s0 is relaunched as a standby.
+    assert sorted(h.sidecars.machines("abort")) == ["m0", "s0"]
 
 
 def test_recovery_sends_recover_to_survivors_and_joiner_then_ends_without_release() -> None:
