@@ -453,4 +453,5 @@ class Store:
 
     def raw(self) -> dist.TCPStore:
         """A plain TCPStore client of the serving replica, of this thread's own."""
-        return self._open(self._deadline())[0]
+        with WAITS.waiting():  # on the store: not computing (the progress board)
+            return self._open(self._deadline())[0]
