@@ -158,7 +158,9 @@ class Share:
         #: Per incarnation, what this process's votes added to each counter there (an
         #: add whose answer was lost counts: a vote is never cast twice into one).
         self._cast: dict[str, dict[str, int]] = {}
-        plain = len(self._replicas) == 1
+        #: The job's store is one replica: there is nowhere to fail over to.
+        self.single = len(self._replicas) == 1
+        plain = self.single
         self._looks = {r: Look(*r, plain=plain) for r in self._replicas}
         #: Called (generation, incarnation) after each move, outside the lock.
         self.on_move: list[Callable[[int, str], None]] = []
@@ -344,9 +346,12 @@ class Store:
         while True:
             (host, port), generation, incarnation = self.share.serving(deadline)
             try:
-                # A short connect (a client retries a refused one for its whole timeout).
+                # With replicas, a short connect (a client retries a refused one for its
+                # whole timeout; another replica may serve). The only store is waited
+                # for: a server that stalls a few seconds is not a lost one.
+                connect_s = self.timeout_s if self.share.single else CONNECT_S * 4
                 client = dist.TCPStore(
-                    host, port, is_master=False, timeout=timedelta(seconds=CONNECT_S * 4)
+                    host, port, is_master=False, timeout=timedelta(seconds=connect_s)
                 )
                 client.set_timeout(timedelta(seconds=self.timeout_s))
                 if self.share.is_current(client, incarnation):
