@@ -5,7 +5,6 @@ Each `Share` stands for one process (a rank keeps one per store)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,25 +14,16 @@ import pytest
 
 from trainmover.runtime.rendezvous import RendezvousHost
 from trainmover.runtime.storeclient import SERVING, STANDBY, Share, Store, StoreLost, probe
+from trainmover.stack import free_ports
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Replicas:
     """The job's store as `n` replicas on fixed ports, each startable and stoppable."""
 
     def __init__(self, n: int):
-        self.ports = _free_ports(n)
+        self.ports = free_ports(n)
         self.address = ",".join(f"127.0.0.1:{p}" for p in self.ports)
         self.hosts: dict[int, RendezvousHost] = {}
 
