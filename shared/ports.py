@@ -84,3 +84,16 @@ WEBHOOK_TOKEN_ENV: Final = "TRAINMOVER_WEBHOOK_TOKEN"
 IMAGE_REPOSITORY: Final = "ghcr.io/trainmover/trainmover"
 IMAGE: Final = f"{IMAGE_REPOSITORY}:{__version__}"
 """The container image of this release (built from deploy/docker/Dockerfile)."""
+
+
+def store_addresses(address: str) -> list[tuple[str, int]]:
+    """(host, port) of each replica of `address` ("host:port[,host:port...]")."""
+    out: list[tuple[str, int]] = []
+    for part in address.split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"rendezvous store {part!r} in {address!r}: not HOST:PORT")
+        out.append((host, int(port)))
+    if not out:
+        raise ValueError("no rendezvous store address")
+    return out

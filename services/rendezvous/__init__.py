@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from trainmover.ports import DEFAULT_HTTP_PORTS, RENDEZVOUS_PORT
-from trainmover.runtime.storeclient import replicas
+from trainmover.ports import DEFAULT_HTTP_PORTS, RENDEZVOUS_PORT, store_addresses
 from trainmover.service import Service, SettingsError, http_parser, parse, run_service
 
 
@@ -81,7 +80,7 @@ def _peers(args: argparse.Namespace) -> list[str]:
             args.store_port = RENDEZVOUS_PORT
         return []
     try:
-        listed = replicas(args.replicas)
+        listed = store_addresses(args.replicas)
     except ValueError as err:
         raise SettingsError(f"--replicas: {err}") from None
     if not 0 <= args.replica_index < len(listed):

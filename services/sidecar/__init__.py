@@ -14,8 +14,7 @@ import argparse
 import os
 from pathlib import Path
 
-from trainmover.ports import DEFAULT_HTTP_PORTS, RENDEZVOUS_ENV
-from trainmover.runtime.storeclient import replicas
+from trainmover.ports import DEFAULT_HTTP_PORTS, RENDEZVOUS_ENV, store_addresses
 from trainmover.service import (
     Service,
     SettingsError,
@@ -62,7 +61,7 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
             f"no rendezvous store: pass --rendezvous HOST:PORT or set {RENDEZVOUS_ENV}"
         )
     try:
-        replicas(args.rendezvous)
+        store_addresses(args.rendezvous)
     except ValueError as err:
         raise SettingsError(f"--rendezvous: {err}") from None
     args.config = load_job_config(args.job_config)

@@ -22,7 +22,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from trainmover.runtime.storeclient import ROLE_KEY, SERVING, STANDBY, UNKNOWN, Look, replicas
+from trainmover.ports import store_addresses
+from trainmover.runtime.storeclient import ROLE_KEY, SERVING, STANDBY, UNKNOWN, Look
 
 #: Seconds between two looks at the other replicas.
 POLL_S = 0.1
@@ -58,7 +59,7 @@ class RendezvousHost:
         self.address = f"{advertise or host}:{self.port}"
         self.incarnation = secrets.token_hex(6)
         self._lock = threading.Lock()  # the master client is shared with /healthz
-        self._peers = [Look(*replicas(p)[0]) for p in peers]
+        self._peers = [Look(*store_addresses(p)[0]) for p in peers]
         self._index = index
         #: Set when this replica stepped down for an earlier one (its process then exits).
         self.demoted = threading.Event()

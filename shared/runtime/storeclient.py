@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from trainmover.ports import store_addresses
 from trainmover.runtime.steptime import WAITS
 
 #: Where each replica names its role ("serving <incarnation>" or "standby <incarnation>").
@@ -61,19 +62,6 @@ T = TypeVar("T")
 
 class StoreLost(RuntimeError):
     """No replica of the rendezvous store served within the time given."""
-
-
-def replicas(address: str) -> list[tuple[str, int]]:
-    """(host, port) of each replica of `address` ("host:port[,host:port...]")."""
-    out = []
-    for part in address.split(","):
-        host, _, port = part.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"rendezvous store {part!r} in {address!r}: not HOST:PORT")
-        out.append((host, int(port)))
-    if not out:
-        raise ValueError("no rendezvous store address")
-    return out
 
 
 def reachable(host: str, port: int) -> bool:
@@ -146,7 +134,7 @@ class Share:
 
     def __init__(self, address: str):
         self.address = address
-        self._replicas = replicas(address)
+        self._replicas = store_addresses(address)
         self._lock = threading.Lock()
         #: Bumped at every move to another replica; a client of an older one reconnects.
         self.generation = 0
