@@ -14,7 +14,10 @@
    reports `switched`.
 
 When another machine fails meanwhile, a newer plan supersedes this one: a rank still
-carrying the old one drops what it built and starts over with the newer one.
+carrying the old one drops what it built and starts over with the newer one. That
+includes the state's sender dying mid-transfer (`_transfer_cut`): the joiner applies
+nothing it received and waits for the newer plan, which restores it from another
+source.
 """
 
 from __future__ import annotations
@@ -22,18 +25,19 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NoReturn
 
 from trainmover.runtime import checkpoint
 from trainmover.runtime import control as c
-from trainmover.runtime.abort import POLL_S
+from trainmover.runtime.abort import POLL_S, StepAborted
 from trainmover.runtime.acceptance import Recovering
 from trainmover.runtime.build import BuildAbandoned
-from trainmover.runtime.core import Core
-from trainmover.runtime.groups import retire
+from trainmover.runtime.core import Core, SupervisorGone
+from trainmover.runtime.groups import Group, retire
 from trainmover.runtime.logs import peak_rss_mib
 from trainmover.runtime.plan import GroupSpec, Plan
 from trainmover.runtime.storeclient import Store
+from trainmover.runtime.transfer import TransferError
 
 
 class RecoverySuperseded(RuntimeError):
@@ -132,17 +136,20 @@ class FailureRecovery:
             source, rt = "replica", core.config.runtime
             if pairs:
                 core.log.info("transferring", plan_id=plan.plan_id, peak_rss_mib=peak_rss_mib())
-            for pair in pairs:
-                stats = (
-                    state.receive(pair, peer=0)
-                    if joiner
-                    else state.send(
-                        pair, 1, {"epoch": plan.plan_id}, rt.chunk_bytes, rt.transfer_checksum
+            try:
+                for pair in pairs:
+                    stats = (
+                        state.receive(pair, peer=0)
+                        if joiner
+                        else state.send(
+                            pair, 1, {"epoch": plan.plan_id}, rt.chunk_bytes, rt.transfer_checksum
+                        )
                     )
-                )
-                transfer_bytes += stats.bytes
-                transfer_s += stats.seconds
-                waited_s += stats.waited_s
+                    transfer_bytes += stats.bytes
+                    transfer_s += stats.seconds
+                    waited_s += stats.waited_s
+            except (StepAborted, TransferError) as exc:
+                self._transfer_cut(rec, [*built, *pairs], exc, superseded)
             if joiner:
                 core.replica_state_at = state.step
         # Shutting down never blocks, even with an abandoned work in a replaced group.
@@ -181,6 +188,29 @@ class FailureRecovery:
             peak_rss_mib=peak_rss_mib(),
         )
         core.conn.notify(event)
+
+    def _transfer_cut(
+        self, rec: Recovering, groups: list[Group], exc: Exception, superseded: Callable[[], bool]
+    ) -> NoReturn:
+        """The state did not cross whole: the other end of a transfer pair died (a joiner,
+        or the replica sending), a chunk failed its checksum, or a newer plan aborted the
+        epoch. Nothing received was applied. A peer's death brings a newer recover plan
+        (without it, or from the checkpoint when the replica is gone), waited for here;
+        this rank then drops what it built and starts over with it. The groups stay open
+        until then: closing them would look to the others like this rank failing."""
+        core = self.core
+        core.log.warning("recovery_transfer_failed", plan_id=rec.plan.plan_id, error=str(exc)[:300])
+        try:
+            with core.cond:
+                core.cond.wait_for(
+                    lambda: superseded() or core.accepted.stopped, timeout=core.timeout_s
+                )
+                newer = superseded()
+        finally:
+            retire(groups)
+        if not newer:
+            raise SupervisorGone(f"no newer recovery after a failed transfer: {exc}") from exc
+        raise RecoverySuperseded(f"{rec.plan.plan_id}: transfer failed: {exc}") from exc
 
     def _dirty_groups(
         self,

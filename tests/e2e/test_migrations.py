@@ -222,6 +222,40 @@ async def test_a_leaver_killed_mid_transfer_is_recovered_into_the_same_joiner(
         assert cluster.mismatches(await reference(step), step) == []
 
 
+@pytest.mark.parametrize("config", [TP1.with_updates(runtime={"checkpoint_every": 5})])
+async def test_a_replica_killed_mid_transfer_falls_back_to_the_checkpoint(
+    tmp_path, config, reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """m1 is SIGKILLed; its replica m3 dies after the first chunks of the recovery's state
+    went out. The joiner applies nothing of it and stays the joiner: one recovery of both
+    machines, from the last checkpoint (no replica of their role is left), and the job
+    ends bit-identical."""
+    monkeypatch.setenv("TM_TEST_FAULT", "m3@*:transfer")
+    # Every machine reads every role's checkpoints (a shared file system in production).
+    shared = config.with_updates(runtime={"checkpoint_dir": str(tmp_path / "checkpoints")})
+    async with Cluster(shared, tmp_path, log_dir=tmp_path / "services") as cluster:
+        await cluster.wait_step("m1", 10, WAIT_S)
+        await cluster.wait_standbys_warm(WAIT_S)
+        cluster.stack.kill_machine("m1")
+        state = await cluster.wait_state(
+            lambda s: any({"m1", "m3"} <= p.leavers() for p in s.in_flight.values()), WAIT_S
+        )
+        (plan,) = state.in_flight.values()
+        assert plan.migration == "checkpoint_restart", plan
+        done = await cluster.client.wait_for_migration(cluster.job, plan.event_id, WAIT_S)
+        assert done.state == "done", done.detail
+        joiners = set(done.moves.values())
+        logs = {m: "".join(p.read_text() for p in tmp_path.rglob(f"{m}-*.log")) for m in joiners}
+        (cut,) = [m for m, text in logs.items() if '"event": "recovery_transfer_failed"' in text]
+        assert '"source": "checkpoint"' in logs[cut]
+        for event_id in plan.merged_events:  # m1's first recovery ends with this plan
+            merged = await cluster.client.wait_for_migration(cluster.job, event_id, WAIT_S)
+            assert (merged.state, merged.plan_id) == ("done", plan.plan_id), merged.detail
+        step, finished = await cluster.finish_soon(WAIT_S)
+        assert sorted(finished) == sorted(["m0", "m2", *joiners])
+        assert cluster.mismatches(await reference(step), step) == []
+
+
 async def _next_done(items, leaver: str, other_than: str) -> MigrationProgress:
     async for item in items:
         if (
