@@ -244,6 +244,12 @@ class Plan(SwitchPlan, Message):
     )
     switch_step: int | None = Field(default=None, ge=0)
     deadline_ts: float | None = None
+    retries_left: int = Field(
+        default=0,
+        ge=0,
+        description="times the planner plans this event again when the migration fails "
+        "before its switch and its leaver trains on (planned migrations only)",
+    )
     ts: float = Field(default_factory=now)
 
     @model_validator(mode="after")
@@ -309,11 +315,13 @@ MigrationState = Literal[
     "done",
     "aborted",
     "failed",
+    "retrying",
     "fallback",
     "rejected",
 ]
 # "fallback" is not terminal: it announces that the migration goes the checkpoint-restart
-# way; "done" (or "failed") still ends it.
+# way; "done" (or "failed") still ends it. Nor is "retrying": a planned migration failed
+# before its switch, its leaver trains on, and the planner plans the event again.
 TERMINAL_STATES = frozenset({"done", "aborted", "failed", "rejected"})
 
 
@@ -376,6 +384,9 @@ class QueuedEvent(Message):
     event_id: str
     machine: Name
     raw: str
+    retries_left: int | None = Field(
+        default=None, ge=0, description="a drain planned again: its tries left (Plan)"
+    )
 
 
 class OutboxEntry(Message):

@@ -388,5 +388,9 @@ class Migration:
                 await self._all("abort", sorted(told))
             except Exception as err:  # a dead joiner does not answer; the monitor saw it
                 log.warning("abort_failed", plan_id=self.plan.plan_id, error=str(err))
-        await self._progress("failed", error, final=True)
+        if self.plan.migration == "planned" and before_switch and self.plan.retries_left:
+            # The leaver trains on: the planner plans the event again.
+            await self._progress("retrying", error, final=True)
+        else:
+            await self._progress("failed", error, final=True)
         return self.record

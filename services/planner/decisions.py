@@ -13,6 +13,8 @@ Rules (terms: docs/glossary.md):
   (DP=1) or no free standby, a checkpoint restart, and the outcome says which.
 - straggler: planned migration if a standby is free and the machine is out of its
   cool-down; otherwise ignored (it is only slow).
+- a drain or rebalance whose migration failed before its switch (the executor says
+  `retrying`; its leaver trains on) is queued first again, up to PLANNED_RETRIES times.
 - rebalance: planned migration of the named machine (or the slowest known one).
 - an event for a machine already leaving, a duplicate event, an unknown machine: rejected
   with a reason, nothing changes. A failure of a standby removes it from the pool.
@@ -46,7 +48,7 @@ from trainmover.services.planner.cluster import (
     remember,
     set_machine,
 )
-from trainmover.services.planner.drain import plan_planned
+from trainmover.services.planner.drain import plan_planned, retry_planned
 from trainmover.services.planner.plans import Event, Outcome, free_standby, pick_joiners, reject
 from trainmover.services.planner.pool import admit
 from trainmover.services.planner.recovery import on_failure, recover
@@ -110,7 +112,8 @@ class Planner:
         workers exiting) cannot undo it, so a leaver dying then is not a failure of the
         migration. Other non-terminal progress is ignored."""
         plan = state.in_flight.get(progress.plan_id or "")
-        if plan is None or progress.state not in ("done", "releasing", "failed", "aborted"):
+        ended = ("done", "releasing", "failed", "aborted", "retrying")
+        if plan is None or progress.state not in ended:
             return Outcome(state)
         if progress.state in ("done", "releasing"):
             state = drop_plan(state, plan, restore_joiner=False)
@@ -148,6 +151,8 @@ class Planner:
                 state = set_machine(state, move.leaver, status="active")
             if state.machines[move.joiner].status == "joining":
                 state = set_machine(state, move.joiner, status="maintenance", warm_role_types=[])
+        if progress.state == "retrying":
+            return serve_queue(retry_planned(state, plan, progress), now)
         return serve_queue(Outcome(state), now)
 
     # --- standby pool ------------------------------------------------------------------
@@ -186,7 +191,7 @@ def serve_queue(outcome: Outcome, now: float) -> Outcome:
             if free_standby(state, head.machine) is None or rebuilding(state, head.machine):
                 break
             state = state.model_copy(update={"queued": rest})
-            planned = plan_planned(state, event, now)
+            planned = plan_planned(state, event, now, head.retries_left)
         state = planned.state
         outcome.plans += planned.plans
         outcome.progress += planned.progress

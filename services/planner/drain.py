@@ -7,15 +7,32 @@ Pure functions of the ClusterState (see trainmover.services.planner.decisions).
 
 from __future__ import annotations
 
-from trainmover.messages import ClusterState, DrainEvent, MigrationProgress, Plan, QueuedEvent
+from trainmover.messages import (
+    ClusterState,
+    DrainEvent,
+    MigrationProgress,
+    Plan,
+    QueuedEvent,
+    StragglerEvent,
+)
 from trainmover.services.planner.cluster import note, rebuilding, set_machine
 from trainmover.services.planner.plans import Event, Outcome, free_standby, make_plan, queue, reject
 
+#: How many times a drain or rebalance is planned again after its migration failed
+#: before the switch (a group build that failed, the store lost in phase 1): the
+#: operator asked for the machine to go. A straggler is proposed again if still slow.
+PLANNED_RETRIES = 2
 
-def plan_planned(state: ClusterState, event: Event, now: float) -> Outcome:
+
+def plan_planned(
+    state: ClusterState, event: Event, now: float, retries_left: int | None = None
+) -> Outcome:
     """A planned migration of `event`'s machine to a free warm standby, with its own
-    state; a drain queues when the standby or the machine's groups are not free yet."""
+    state; a drain queues when the standby or the machine's groups are not free yet.
+    `retries_left`: the event's tries left (None: a new event's)."""
     assert event.machine is not None
+    if retries_left is None:
+        retries_left = 0 if isinstance(event, StragglerEvent) else PLANNED_RETRIES
     leaver = event.machine
     busy = rebuilding(state, leaver)
     if busy is not None:
@@ -24,18 +41,27 @@ def plan_planned(state: ClusterState, event: Event, now: float) -> Outcome:
         # time): a drain waits for the other migration, anything else is dropped.
         reason = f"migration {busy.plan_id[:8]} involves {leaver}'s groups"
         if isinstance(event, DrainEvent):
-            return queue(state, event, leaver, f"{reason}: the drain waits")
+            return queue(state, event, leaver, f"{reason}: the drain waits", retries_left)
         return reject(state, event, reason)
     joiner = free_standby(state, leaver)
     if joiner is None:
         if isinstance(event, DrainEvent):
-            return queue(state, event, leaver, "no warm standby free: the drain waits")
+            return queue(
+                state, event, leaver, "no warm standby free: the drain waits", retries_left
+            )
         return reject(state, event, "no warm standby free")
     deadline = None
     if isinstance(event, DrainEvent) and event.deadline_s is not None:
         deadline = event.ts + event.deadline_s
     return make_plan(
-        state, event.event_id, "planned", {leaver: joiner}, {leaver: leaver}, now, deadline
+        state,
+        event.event_id,
+        "planned",
+        {leaver: joiner},
+        {leaver: leaver},
+        now,
+        deadline,
+        retries_left=retries_left,
     )
 
 
@@ -80,10 +106,7 @@ def abort_planned(
         deadline_s=deadline_s,
         ts=now,
     )
-    queued = QueuedEvent(
-        event_id=again.event_id, machine=first.leaver, raw=again.to_json().decode()
-    )
-    state = state.model_copy(update={"queued": [queued, *state.queued]})
+    state = requeue(state, again, plan.retries_left)
     return state, note(
         state,
         plan.event_id,
@@ -93,3 +116,35 @@ def abort_planned(
         None,
         plan.plan_id,
     )
+
+
+def retry_planned(state: ClusterState, plan: Plan, progress: MigrationProgress) -> Outcome:
+    """A planned migration failed before its switch (the executor said `retrying`) and
+    was rolled back: its event waits at the head of the queue, as a drain, with one try
+    less; if its leaver no longer trains (it failed meanwhile), it ends `failed`."""
+    leaver = plan.moves[0].leaver
+    status = state.machines[leaver].status
+    if status != "active":
+        why = f"{progress.detail}; {leaver} is {status} now: not planned again"
+        return Outcome(state, progress=[note(state, plan.event_id, "failed", why, leaver)])
+    again = DrainEvent(
+        event_id=plan.event_id,
+        job=state.job,
+        machine=leaver,
+        reason=f"planned again: {progress.detail}"[:4096],
+        source="planner",
+    )
+    state = requeue(state, again, plan.retries_left - 1)
+    why = f"failed before its switch ({progress.detail}): planned again"
+    return Outcome(state, progress=[note(state, plan.event_id, "queued", why[:4096], leaver)])
+
+
+def requeue(state: ClusterState, event: DrainEvent, retries_left: int) -> ClusterState:
+    """`event` first in the queue: it was planned before and runs again next."""
+    queued = QueuedEvent(
+        event_id=event.event_id,
+        machine=event.machine,
+        raw=event.to_json().decode(),
+        retries_left=max(0, retries_left),
+    )
+    return state.model_copy(update={"queued": [queued, *state.queued]})

@@ -57,9 +57,20 @@ def reject(state: ClusterState, event: Event, reason: str) -> Outcome:
     return Outcome(state, progress=[note(state, event.event_id, "rejected", reason, event.machine)])
 
 
-def queue(state: ClusterState, event: DrainEvent, leaver: str, reason: str) -> Outcome:
+def queue(
+    state: ClusterState,
+    event: DrainEvent,
+    leaver: str,
+    reason: str,
+    retries_left: int | None = None,
+) -> Outcome:
     """`event` waits at the end of the queue (for a standby, or another migration)."""
-    queued = QueuedEvent(event_id=event.event_id, machine=leaver, raw=event.model_dump_json())
+    queued = QueuedEvent(
+        event_id=event.event_id,
+        machine=leaver,
+        raw=event.model_dump_json(),
+        retries_left=retries_left,
+    )
     state = state.model_copy(update={"queued": [*state.queued, queued]})
     return Outcome(state, progress=[note(state, event.event_id, "queued", reason, leaver)])
 
@@ -106,6 +117,7 @@ def make_plan(
     merged_events: dict[str, str] | None = None,
     supersedes: list[str] | None = None,
     full: bool = False,
+    retries_left: int = 0,
 ) -> Outcome:
     """A new in-flight Plan moving each leaver of `moves` to its joiner, each restoring
     from `sources` (leaver -> the machine its state comes from: itself for a planned
@@ -144,6 +156,7 @@ def make_plan(
         merged_events=merged_events or {},
         state_sources=delta.joiner_sources(),
         deadline_ts=deadline_ts,
+        retries_left=retries_left,
         ts=now,
     )
     for leaver, joiner in moves.items():

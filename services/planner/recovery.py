@@ -192,7 +192,7 @@ def replace_plan(state: ClusterState, plan: Plan, now: float, outcome: Outcome) 
         machine=leaver,
         reason="re-plan: joiner failed",
     )
-    replanned = plan_planned(state, kind_event, now)
+    replanned = plan_planned(state, kind_event, now, plan.retries_left)
     replanned.cancelled.append(plan.plan_id)
     replanned.progress = outcome.progress + replanned.progress
     return replanned

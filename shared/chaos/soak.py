@@ -214,7 +214,7 @@ class Soak:
         elapsed, done = time.monotonic() - t_inject, obs.job_step - start_step
         record.lost_s = round(max(0.0, elapsed - done * step_s), 3) if step_s else None
         for p in obs.progress[progress_before:]:
-            if p.state in ("done", "failed", "aborted", "fallback"):
+            if p.state in ("done", "failed", "aborted", "retrying", "fallback"):
                 record.migrations.append(f"{p.state}: {p.leaver} -> {p.joiner}: {p.detail}")
             if p.state == "done" and p.downtime_s is not None and p.joiner:
                 record.migration_downtime_s.append(round(p.downtime_s, 3))

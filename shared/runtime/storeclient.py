@@ -34,7 +34,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -153,10 +154,23 @@ class Share:
         #: Called (generation, incarnation) after each move, outside the lock.
         self.on_move: list[Callable[[int, str], None]] = []
 
+    @contextmanager
+    def _held(self) -> Iterator[None]:
+        """The share's lock. A thread may hold it through a whole failover (a look at
+        each replica, the re-cast): another thread blocked on it waits on the store, and
+        its time counts as waiting, not computing (the progress board)."""
+        if not self._lock.acquire(blocking=False):
+            with WAITS.waiting():
+                self._lock.acquire()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def serving(self, deadline: float) -> tuple[tuple[str, int], int, str]:
         """The serving replica, its generation and incarnation, looked for until
         `deadline`."""
-        with self._lock:
+        with self._held():
             if self._serving is None:
                 self._find(deadline)
             assert self._serving is not None and self.incarnation is not None
@@ -166,7 +180,7 @@ class Share:
         """A client of `generation` lost its replica: move on (once for every client of
         that generation), re-casting this process's share."""
         moved: tuple[int, str] | None = None
-        with self._lock:
+        with self._held():
             if generation == self.generation:
                 before, gone = self.incarnation, self._serving
                 self._serving = None
@@ -230,7 +244,7 @@ class Share:
     def claim(self, incarnation: str, counter: str) -> bool:
         """True when this process's vote on `counter` is still to be cast into
         `incarnation` (it is then taken as cast)."""
-        with self._lock:
+        with self._held():
             vote = self._votes.get(counter)
             cast = self._cast.setdefault(incarnation, {})
             if vote is None or cast.get(counter, 0) >= vote.n:
@@ -256,7 +270,7 @@ class Share:
     def fact(self, key: str, value: str, generation: int, deadline: float) -> None:
         """`key` holds `value` (seen on `generation`); re-cast now if the store moved
         since."""
-        with self._lock:
+        with self._held():
             self._facts[key] = value
             if generation != self.generation and self._serving is not None:
                 try:
@@ -266,27 +280,27 @@ class Share:
 
     def vote(self, vote: _Vote) -> None:
         """Records a vote before it is cast (a move after this re-casts it)."""
-        with self._lock:
+        with self._held():
             known = self._votes.get(vote.counter)
             if known is not None:
                 vote.n += known.n
             self._votes[vote.counter] = vote
 
     def drop(self, key: str) -> None:
-        with self._lock:
+        with self._held():
             self._facts.pop(key, None)
             self._votes.pop(key, None)
 
     def forget(self, prefix: str) -> None:
         """Nobody will ask for keys under `prefix` again."""
-        with self._lock:
+        with self._held():
             tables: list[dict[str, Any]] = [self._facts, self._votes, *self._cast.values()]
             for table in tables:
                 for key in [k for k in table if k.startswith(prefix)]:
                     del table[key]
 
     def size(self) -> int:
-        with self._lock:
+        with self._held():
             return len(self._facts) + len(self._votes)
 
 

@@ -73,16 +73,9 @@ async def test_the_store_lost_in_a_drains_phase1_the_drain_completes(
     event_id = await cluster.client.drain(cluster.job, "m1", reason="store loss in phase 1")
     await progress_reaches(cluster, event_id, "phase1")
     await _kill_serving_store(cluster)
-    # Done at once, or failed and the machine drained again by a later plan.
+    # Done at once, or failed before the switch and planned again by the planner: the
+    # drain's own event ends done either way.
     done = await cluster.client.wait_for_migration(cluster.job, event_id, timeout=WAIT_S)
-    if done.state != "done":
-        # The failed drain leaves m1 training where it was; then it is drained again.
-        await cluster.wait_state(
-            lambda s: not s.in_flight and s.machines["m1"].status == "active", WAIT_S
-        )
-        await cluster.wait_standbys_warm(WAIT_S)
-        again = await cluster.client.drain(cluster.job, "m1", reason="again")
-        done = await cluster.client.wait_for_migration(cluster.job, again, timeout=WAIT_S)
     assert done.state == "done", done.detail
     await _ends_with_every_role_held_once(cluster, reference, gone="m1")
 

@@ -264,6 +264,15 @@ def test_a_phase1_failure_tells_the_leaver_it_trains_on() -> None:
     # Before the switch the leaver m0 still holds its role: its sidecar stops saying
     # "leaving"; the joiner s0 is relaunched as a standby.
     assert sorted(h.sidecars.machines("abort")) == ["m0", "s0"]
+    # The leaver trains on, so the planner plans the drain again: not the drain's end.
+    assert plan.retries_left > 0 and h.states()[-1] == "retrying"
+
+
+def test_a_phase1_failure_with_no_try_left_ends_the_drain() -> None:
+    plan = drain_plan().model_copy(update={"retries_left": 0})
+    h = harness(plan, refuse={("prepare", "m1")})
+    assert h.run(MigrationRecord(plan=plan)).phase == "failed"
+    assert h.states()[-1] == "failed"
 
 
 def test_recovery_sends_recover_to_survivors_and_joiner_then_ends_without_release() -> None:

@@ -399,6 +399,69 @@ def test_failed_migration_rolls_back(planner):
     assert all(g.generation > old[g.name] for g in again.plans[0].groups)
 
 
+def _ends(planner, outcome, state: str, cluster=None, detail="phase1: a group build failed"):
+    """The executor's end (`state`) of `outcome`'s plan, applied to `cluster` (default:
+    the outcome's state)."""
+    plan = outcome.plans[0]
+    progress = MigrationProgress(
+        job=JOB, event_id=plan.event_id, plan_id=plan.plan_id, state=state, detail=detail
+    )
+    return plan, planner.on_progress(cluster or outcome.state, progress, NOW)
+
+
+def test_a_drain_that_failed_before_its_switch_is_planned_again_until_its_tries_run_out(
+    planner,
+):
+    state = sample_state(JOB, standbys=3)
+    outcome = planner.on_event(state, drain("m2"), NOW)
+    tries = [outcome.plans[0].retries_left]
+    for _ in range(tries[0]):
+        plan, outcome = _ends(planner, outcome, "retrying")
+        # The leaver trains on; the same event runs again at once on another standby.
+        assert statuses(outcome.state)["m2"] == "leaving"
+        assert [p.state for p in outcome.progress] == ["queued", "planned"]
+        assert "planned again" in outcome.progress[0].detail
+        (again,) = outcome.plans
+        assert again.event_id == plan.event_id and again.moves[0].joiner != plan.moves[0].joiner
+        assert statuses(outcome.state)[plan.moves[0].joiner] == "maintenance"
+        tries.append(again.retries_left)
+    assert tries == list(range(tries[0], -1, -1)) and tries[0] >= 1
+    # With no try left the executor says failed: the drain ends there.
+    _, last = _ends(planner, outcome, "failed")
+    assert statuses(last.state)["m2"] == "active" and not last.state.queued and not last.plans
+
+
+def test_a_drain_retried_while_no_standby_is_free_waits_first_in_the_queue(planner):
+    outcome = planner.on_event(sample_state(JOB, standbys=1), drain("m2"), NOW)
+    other = planner.on_event(outcome.state, drain("m3"), NOW)  # queued: no standby
+    plan, out = _ends(planner, outcome, "retrying", cluster=other.state)
+    assert not out.plans and [q.machine for q in out.state.queued] == ["m2", "m3"]
+    assert out.state.queued[0].retries_left == plan.retries_left - 1
+    # A warm standby again: m2's drain runs first, with the tries it has left.
+    back = planner.on_heartbeat(out.state, warm_beat(plan.moves[0].joiner), NOW)
+    (again,) = back.plans
+    assert again.event_id == plan.event_id and again.retries_left == plan.retries_left - 1
+
+
+def test_a_retried_drain_whose_leaver_failed_meanwhile_ends_failed(planner):
+    outcome = planner.on_event(sample_state(JOB, standbys=3), drain("m2"), NOW)
+    plan = outcome.plans[0]
+    failed = planner.on_event(outcome.state, failure("m2"), NOW)  # supersedes the drain
+    assert failed.plans[0].migration == "unplanned"
+    retrying = MigrationProgress(
+        job=JOB, event_id=plan.event_id, plan_id=plan.plan_id, state="retrying"
+    )
+    late = planner.on_progress(failed.state, retrying, NOW)  # the cancelled plan's end
+    assert not late.plans and late.state == failed.state
+
+
+def test_a_straggler_move_is_not_retried(planner):
+    outcome = planner.on_event(sample_state(JOB), straggler("m1"), NOW)
+    assert outcome.plans[0].retries_left == 0
+    rebalance = planner.on_event(sample_state(JOB), RebalanceEvent(job=JOB, machine="m1"), NOW)
+    assert rebalance.plans[0].retries_left > 0
+
+
 def test_straggler_cool_down_and_no_standby(planner):
     planned = planner.on_event(sample_state(JOB, standbys=2), straggler("m1"), NOW)
     plan = planned.plans[0]
