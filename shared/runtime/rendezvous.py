@@ -66,6 +66,9 @@ class RendezvousHost:
         #: Set each time this replica starts serving.
         self.promoted = threading.Event()
         self._closed = threading.Event()
+        #: Rounds of the standby's watch so far (each looks at every peer once).
+        self.rounds = 0
+        self._round = threading.Condition()
         self.role = ""
         if self._peers:
             self._set_role(STANDBY)
@@ -84,6 +87,9 @@ class RendezvousHost:
         served_at = time.monotonic()
         while not self._closed.wait(POLL_S):
             seen = [peer.look() for peer in self._peers]
+            with self._round:
+                self.rounds += 1
+                self._round.notify_all()
             earlier = seen[: self._index]
             serving = [i for i, s in enumerate(seen) if s is not None and s[0] == SERVING]
             if self.role == SERVING:
@@ -97,6 +103,12 @@ class RendezvousHost:
             # The first live replica takes over; an earlier standby that lives will.
             if now - served_at >= TAKEOVER_S and all(s is None for s in earlier):
                 self._set_role(SERVING)
+
+    def wait_rounds(self, n: int, timeout_s: float) -> bool:
+        """Until the watch has looked at its peers `n` more times; False on timeout."""
+        with self._round:
+            target = self.rounds + n
+            return self._round.wait_for(lambda: self.rounds >= target, timeout_s)
 
     def keys(self) -> int:
         """Keys in the store: a round trip through its server (a liveness check)."""

@@ -5,6 +5,7 @@ Each `Share` stands for one process (a rank keeps one per store)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 
-from trainmover.runtime.rendezvous import RendezvousHost
+from trainmover.runtime.rendezvous import POLL_S, TAKEOVER_S, RendezvousHost
 from trainmover.runtime.storeclient import SERVING, STANDBY, Share, Store, StoreLost, probe
 from trainmover.stack import free_ports
 
@@ -56,11 +57,15 @@ def replicas() -> Iterator[Replicas]:
         r.stop(i)
 
 
+#: Rounds of a standby's watch that last longer than a takeover (each waits POLL_S).
+_SPANNING_TAKEOVER = math.ceil(TAKEOVER_S / POLL_S) + 2
+
+
 def test_the_first_replica_serves_and_the_other_stands_by(replicas: Replicas) -> None:
     first, second = replicas.start(0), replicas.start(1)
     _serving(first)
     assert replicas.role(0) == SERVING
-    time.sleep(0.5)  # several of the standby's looks: it must not take over meanwhile
+    assert second.wait_rounds(_SPANNING_TAKEOVER, 60)  # it must not take over meanwhile
     assert replicas.role(1) == STANDBY and not second.promoted.is_set()
     store = replicas.client()
     store.set("k", "v")
@@ -123,7 +128,7 @@ def test_a_restarted_replica_comes_back_a_standby(replicas: Replicas) -> None:
     _serving(second)
     assert store.get("before") == b"1"  # moved, and re-cast what it had written
     again = replicas.start(0)
-    time.sleep(0.5)  # several of its looks: it sees the other serving and stays standby
+    assert again.wait_rounds(_SPANNING_TAKEOVER, 60)  # it sees the other serve: stays standby
     assert replicas.role(0) == STANDBY and not again.promoted.is_set()
     store.set("after", "2")
     assert store.share.incarnation == second.incarnation
