@@ -26,7 +26,6 @@ import statistics
 from dataclasses import dataclass, field
 
 from trainmover.messages import ClusterState, CollectiveErrorReport, StallReport
-from trainmover.runtime.layout import ROLE_GROUP_KINDS
 
 HOLDING = ("active", "leaving", "joining")
 """Statuses whose machine is (or is about to be) a member of its groups."""
@@ -48,7 +47,7 @@ def group_machines(state: ClusterState, group: str) -> set[str] | None:
         names = {
             layout.group_name(kind, role)
             for role in layout.roles_of(m.cell)
-            for kind in ROLE_GROUP_KINDS
+            for kind in layout.role_group_kinds
         }
         if group in names:
             machines.add(name)

@@ -18,7 +18,6 @@ from trainmover.messages import (
     decode_event,
 )
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.layout import ROLE_GROUP_KINDS
 
 HANDLED_MEMORY = 4096
 """How many handled event ids the state remembers, for duplicate detection."""
@@ -74,7 +73,7 @@ def rebuilding(state: ClusterState, machine: str) -> Plan | None:
     cells = {
         (member.dp, member.pp)
         for role in layout.roles_of(cell)
-        for kind in ROLE_GROUP_KINDS
+        for kind in layout.role_group_kinds
         for member in layout.group_members(kind, role)
     }
     mine = {
@@ -107,8 +106,9 @@ def plan_with_joiner(state: ClusterState, machine: str) -> Plan | None:
 
 
 def replica(state: ClusterState, leaver: str, exclude: set[str]) -> str | None:
-    """An active machine, not in `exclude` (the other leavers), holding the same pipeline
-    stage in another DP replica."""
+    """An active machine, not in `exclude` (the other leavers), holding the same state in
+    another DP replica (the same pipeline stage and, when DP shards the state, the same
+    shard)."""
     cell = state.machines[leaver].cell
     assert cell is not None
     for name, m in sorted(state.machines.items()):
@@ -117,8 +117,7 @@ def replica(state: ClusterState, leaver: str, exclude: set[str]) -> str | None:
             and name not in exclude
             and m.status == "active"
             and m.cell is not None
-            and m.cell.pp == cell.pp
-            and m.cell.dp != cell.dp
+            and state.layout.holds_same_state(cell, m.cell)
         ):
             return name
     return None

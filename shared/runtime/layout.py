@@ -5,23 +5,35 @@ Pure (no torch import) so the planner can use it cheaply. A role is a rank's coo
 the coordinates it spans and lists its members in group-rank order. A joiner takes over
 exactly the leaver's roles, so group ranks never change across a migration (which is what
 keeps reductions, and therefore training, bit-identical).
+
+Data parallelism may shard state (FSDP2): `dp_shard` consecutive DP indices shard one
+copy of the state between them, and `dp / dp_shard` such copies replicate it (HSDP; a DP
+index d is shard d % dp_shard of replica d // dp_shard). Only ranks of the same shard
+hold the same state, so only they are each other's replicas in a failure. When the DP
+ranks are both sharded and replicated, a role has a group for each of the two
+dimensions instead of one DP group.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: "world": the default group of a TP/PP layout, built lazily by each rank
 #: (`trainmover.runtime.world`), never part of a plan.
-GroupKind = Literal["tp", "pp", "dp", "transfer", "world"]
+GroupKind = Literal["tp", "pp", "dp", "dp_shard", "dp_replicate", "transfer", "world"]
 
 #: A machine role's warm-up class: its pipeline stage's position (what a standby warms).
 RoleType = Literal["only", "first", "middle", "last"]
 
-#: Group kinds a training role belongs to (one group of each kind).
+#: Group kinds a training role belongs to, one group of each (`Layout.role_group_kinds`):
+#: these, with "dp" split in two when the DP ranks are both sharded and replicated.
 ROLE_GROUP_KINDS: tuple[GroupKind, ...] = ("tp", "pp", "dp")
+HSDP_GROUP_KINDS: tuple[GroupKind, ...] = ("tp", "pp", "dp_shard", "dp_replicate")
+
+#: A `DeviceMesh`'s dimensions, outermost first (torchtitan's order).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 class Role(BaseModel):
@@ -56,20 +68,76 @@ class Layout(BaseModel):
     tp: int = Field(default=1, ge=1)
     pp: int = Field(default=1, ge=1)
     dp: int = Field(default=1, ge=1)
+    #: DP ranks that shard one copy of the state (FSDP2); 1: every DP rank holds it all.
+    dp_shard: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _check_dp_shard(self) -> Layout:
+        if self.dp % self.dp_shard:
+            raise ValueError(f"layout.dp_shard={self.dp_shard} does not divide dp={self.dp}")
+        return self
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """'2x2x2' -> Layout(tp=2, pp=2, dp=2) (TP x PP x DP); ValueError naming the text."""
+        """'2x2x2' -> Layout(tp=2, pp=2, dp=2) (TP x PP x DP); '1x1x4s2' shards the state
+        over 2 of the 4 DP ranks (dp_shard=2). ValueError naming the text."""
         try:
-            tp, pp, dp = (int(x) for x in text.lower().split("x"))
-            return cls(tp=tp, pp=pp, dp=dp)
+            sizes, _, shard = text.lower().partition("s")
+            tp, pp, dp = (int(x) for x in sizes.split("x"))
+            return cls(tp=tp, pp=pp, dp=dp, dp_shard=int(shard or 1))
         except ValueError:
-            raise ValueError(f"layout {text!r} is not TPxPPxDP (three positive integers)") from None
+            raise ValueError(
+                f"layout {text!r} is not TPxPPxDP or TPxPPxDPsS (positive integers; S divides DP)"
+            ) from None
 
     @property
     def label(self) -> str:
-        """'TPxPPxDP', as `parse` reads it."""
-        return f"{self.tp}x{self.pp}x{self.dp}"
+        """'TPxPPxDP' (with 'sS' when the state is sharded), as `parse` reads it."""
+        shard = f"s{self.dp_shard}" if self.dp_shard > 1 else ""
+        return f"{self.tp}x{self.pp}x{self.dp}{shard}"
+
+    @property
+    def dp_replicate(self) -> int:
+        """Copies of the state across the DP ranks (HSDP's replicate dimension)."""
+        return self.dp // self.dp_shard
+
+    @property
+    def hsdp(self) -> bool:
+        """DP ranks both shard and replicate: a role has dp_shard and dp_replicate groups."""
+        return 1 < self.dp_shard < self.dp
+
+    @property
+    def role_group_kinds(self) -> tuple[GroupKind, ...]:
+        """The kinds of group a role belongs to, one group of each."""
+        return HSDP_GROUP_KINDS if self.hsdp else ROLE_GROUP_KINDS
+
+    def mesh_dims(self) -> dict[str, tuple[int, GroupKind]]:
+        """A `DeviceMesh`'s dimensions (size > 1 only, in `MESH_DIMS` order), each with
+        the kind of the role's group it runs over."""
+        if self.hsdp:
+            dp_dims: dict[str, tuple[int, GroupKind]] = {
+                "dp_replicate": (self.dp_replicate, "dp_replicate"),
+                "dp_shard": (self.dp_shard, "dp_shard"),
+            }
+        elif self.dp_shard > 1:
+            dp_dims = {"dp_shard": (self.dp, "dp")}
+        else:
+            dp_dims = {"dp_replicate": (self.dp, "dp")}
+        dims = {"pp": (self.pp, "pp"), **dp_dims, "tp": (self.tp, "tp")}
+        return {d: dims[d] for d in MESH_DIMS if d in dims and dims[d][0] > 1}
+
+    def mesh_coordinate(self, role: Role, dim: str) -> int:
+        """`role`'s index along mesh dimension `dim`."""
+        if dim == "dp_shard":
+            return role.dp % self.dp_shard
+        if dim == "dp_replicate":
+            return role.dp // self.dp_shard
+        return int(getattr(role, dim))
+
+    def holds_same_state(self, a: MachineRole, b: MachineRole) -> bool:
+        """Whether cell `b` is a data-parallel replica of cell `a` (another DP index of
+        the same stage and shard): where a failed `a`'s state can come from."""
+        return a.pp == b.pp and a.dp != b.dp and a.dp % self.dp_shard == b.dp % self.dp_shard
 
     @property
     def machines(self) -> int:
@@ -124,6 +192,10 @@ class Layout(BaseModel):
             return f"pp.d{role.dp}.t{role.tp}"
         if kind == "dp":
             return f"dp.p{role.pp}.t{role.tp}"
+        if kind == "dp_shard":
+            return f"dps.r{role.dp // self.dp_shard}.p{role.pp}.t{role.tp}"
+        if kind == "dp_replicate":
+            return f"dpr.s{role.dp % self.dp_shard}.p{role.pp}.t{role.tp}"
         raise ValueError(f"a role has no group of kind {kind!r}")
 
     def group_members(self, kind: GroupKind, role: Role) -> list[Role]:
@@ -134,6 +206,15 @@ class Layout(BaseModel):
             return [Role(dp=role.dp, pp=p, tp=role.tp) for p in range(self.pp)]
         if kind == "dp":
             return [Role(dp=d, pp=role.pp, tp=role.tp) for d in range(self.dp)]
+        if kind == "dp_shard":
+            first = role.dp - role.dp % self.dp_shard
+            return [Role(dp=first + s, pp=role.pp, tp=role.tp) for s in range(self.dp_shard)]
+        if kind == "dp_replicate":
+            shard = role.dp % self.dp_shard
+            return [
+                Role(dp=r * self.dp_shard + shard, pp=role.pp, tp=role.tp)
+                for r in range(self.dp_replicate)
+            ]
         raise ValueError(f"a role has no group of kind {kind!r}")
 
     def all_groups(self) -> dict[str, tuple[GroupKind, list[Role]]]:
@@ -141,7 +222,7 @@ class Layout(BaseModel):
         groups: dict[str, tuple[GroupKind, list[Role]]] = {}
         for cell in self.cells():
             for role in self.roles_of(cell):
-                for kind in ROLE_GROUP_KINDS:
+                for kind in self.role_group_kinds:
                     groups.setdefault(
                         self.group_name(kind, role), (kind, self.group_members(kind, role))
                     )
@@ -149,4 +230,4 @@ class Layout(BaseModel):
 
     def groups_containing(self, roles: list[Role]) -> list[str]:
         """Names of the groups that contain any of `roles` (the delta of moving them)."""
-        return sorted({self.group_name(k, r) for r in roles for k in ROLE_GROUP_KINDS})
+        return sorted({self.group_name(k, r) for r in roles for k in self.role_group_kinds})

@@ -208,7 +208,7 @@ def compute_delta(
         source = sources.get(leaver)
         if source is not None and source != leaver:
             other = assignment.get(source)
-            if other is None or other.pp != cell.pp or other.dp == cell.dp:
+            if other is None or not layout.holds_same_state(cell, other):
                 raise ValueError(f"{source} is not a data-parallel replica of {leaver}")
         plan_moves.append(
             Move(
