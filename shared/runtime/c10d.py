@@ -31,7 +31,9 @@ recording tap once complete.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -63,6 +65,26 @@ def completed_work(value: Any = None) -> dist.Work:
     return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
 
 
+class _Discarding(threading.local):
+    active = False
+
+
+_DISCARDING = _Discarding()
+
+
+@contextmanager
+def discarding() -> Iterator[None]:
+    """While a library cleans up after a discarded step (FSDP2's `reset_iter_state`),
+    this thread's waits on unfinished works return at once instead of waiting through
+    the abort signal: the works are abandoned, and their groups repaired by the
+    recovery."""
+    _DISCARDING.active = True
+    try:
+        yield
+    finally:
+        _DISCARDING.active = False
+
+
 class RuntimeWork(dist.Work):
     """A c10d work of a `SwappableGroup`, waited through its group (see the module
     docstring): a collective's work (`pending` None), or a send or receive."""
@@ -83,6 +105,8 @@ class RuntimeWork(dist.Work):
     def wait(self, timeout: Any = None) -> bool:
         if self._waited:
             return True
+        if _DISCARDING.active and not self.is_completed():
+            return False  # a discarded step's work: abandoned (its group stays dirty)
         if self._pending is None:
             assert self._span is not None
             self._group.wait_c10d(self._work, self._span)
@@ -168,8 +192,12 @@ class SwappableGroup(dist.ProcessGroup):
     def _post(self, call: str, start: Callable[[Any], Any]) -> Any:
         group = self._group(call)
         work, span = group.track(call, lambda: start(group.backend))
-        if call == "allreduce" and group.spec.kind == "dp":
-            fault.point("dp-allreduce")  # test-only: a machine dies mid all-reduce
+        if group.spec.kind in ("dp", "dp_shard", "dp_replicate"):
+            # test-only: a machine dies mid gradient reduction (DDP, HSDP; FSDP2)
+            if call == "allreduce":
+                fault.point("dp-allreduce")
+            elif call == "reduce_scatter_single":
+                fault.point("dp-reduce-scatter")
         return RuntimeWork(group, work, span)
 
     def _p2p(self, call: str, start: Callable[[Any], Any], peer: int, received: Any = None) -> Any:

@@ -5,7 +5,8 @@ Set ``TM_TEST_FAULT`` to a comma-separated list of ``<machine>@<step>:<point>`` 
 `step`, records the time in ``$TM_RUN_DIR/faults.jsonl`` and kills every process of its
 process group (the launcher starts each machine's workers in one group), as a machine
 failure would. Points: ``forward``, ``backward`` (reference train step), ``dp-allreduce``
-(gradient all-reduce posted, not finished), ``after-allreduce`` (all-reduce done, before
+(gradient all-reduce posted, not finished), ``dp-reduce-scatter`` (FSDP2's gradient
+reduce-scatter posted, not finished), ``after-allreduce`` (all-reduce done, before
 the commit vote), ``after-dump`` (the step committed and its state dumped, before the
 next step), ``transfer`` (a sender of a state transfer after its first two chunks, at the
 boundary after `step`). Never set in production; without the variable every call is a no-op.

@@ -30,7 +30,7 @@ import torch
 from trainmover.runtime import fault
 from trainmover.runtime.abort import WAITER, AbortSignal, CollectiveError, StepAborted
 from trainmover.runtime.plan import GroupSpec
-from trainmover.runtime.steptime import IN_FLIGHT, WAITS, InFlightSpan
+from trainmover.runtime.steptime import IN_FLIGHT, WAITS, InFlightSpan, future_of
 
 _incarnations = itertools.count(1)
 
@@ -71,8 +71,22 @@ class PendingWork:
 def _finished(work: Any) -> bool:
     """A c10d work is over once its future is: gloo completes the future (waking the
     waiter, e.g. DDP's reducer raising in the training thread) before it marks the work
-    itself completed, so `is_completed()` can still be False when the waiter looks."""
-    return bool(work.get_future().done())
+    itself completed, so `is_completed()` can still be False when the waiter looks. A
+    work without a future (gloo's reduce-scatters) is over once completed."""
+    future = future_of(work)
+    return bool(future.done() if future is not None else work.is_completed())
+
+
+def _error_of(work: Any) -> Exception | None:
+    """The error a finished c10d work ended with, if any."""
+    future = future_of(work)
+    if future is None:
+        return work.exception()  # type: ignore[no-any-return]
+    try:
+        future.value()
+    except Exception as exc:  # the work's own error, whatever the backend raised
+        return exc
+    return None
 
 
 class Group:
@@ -191,9 +205,8 @@ class Group:
         error = None
         for work in [w for w in self._c10d if _finished(w)]:
             self._c10d.remove(work)
-            try:
-                work.get_future().value()
-            except Exception as exc:  # the work's own error, whatever the backend raised
+            exc = _error_of(work)
+            if exc is not None:
                 self._failed = True
                 error = error or str(exc)[:500]
         return error

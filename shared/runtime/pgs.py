@@ -24,6 +24,7 @@ migration cannot replace.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -32,12 +33,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.device_mesh as device_mesh_module
 import torch.distributed.distributed_c10d as c10d_world
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from trainmover.runtime.c10d import SwappableGroup, UnsupportedCollective, register, unregister
 from trainmover.runtime.groups import Group
-from trainmover.runtime.layout import ROLE_GROUP_KINDS, Layout, Role
+from trainmover.runtime.layout import Layout, Role
 
 #: Environment a torchrun script reads (set by the launcher and, once the role is known,
 #: by the runtime).
@@ -72,16 +75,22 @@ class ProcessGroups:
         self._prefix = prefix
         self._groups: dict[str, SwappableGroup] = {}
         self._world: SwappableGroup | None = None
+        self._mesh: DeviceMesh | None = None
         self._lock = threading.Lock()
 
     @property
     def dp_only(self) -> bool:
-        return self.layout.tp == 1 and self.layout.pp == 1
+        """One DP group spans every rank: it is the default group."""
+        return self.layout.tp == 1 and self.layout.pp == 1 and not self.layout.hsdp
 
     def get(self, kind: str) -> SwappableGroup:
         """The stable c10d group of `kind` ("tp", "pp" or "dp") for this role."""
-        if kind not in ROLE_GROUP_KINDS:
-            raise ValueError(f"no process group of kind {kind!r}: one of {ROLE_GROUP_KINDS}")
+        kinds = self.layout.role_group_kinds
+        if kind not in kinds:
+            raise ValueError(
+                f"no process group of kind {kind!r} in layout {self.layout.label}: one of "
+                f"{kinds}" + (" (its DP ranks shard and replicate)" if self.layout.hsdp else "")
+            )
         with self._lock:
             pg = self._groups.get(kind)
             if pg is None:
@@ -95,6 +104,33 @@ class ProcessGroups:
                 register(pg, [self.layout.global_rank(m) for m in members], self._store)
                 self._groups[kind] = pg
             return pg
+
+    def device_mesh(self, device_type: str) -> DeviceMesh:
+        """A `DeviceMesh` of the job's layout (`Layout.mesh_dims`: size-1 dimensions left
+        out) whose dimension groups are this role's c10d groups, so a migration swaps
+        under the mesh exactly the groups of its delta; one per `ProcessGroups`."""
+        with self._lock:
+            if self._mesh is not None:
+                return self._mesh
+        dims = self.layout.mesh_dims()
+        if not dims:
+            raise LayoutMismatch(f"layout {self.layout.label} has one rank: no device mesh")
+        init_process_group()  # the mesh places this rank through the default group
+        names, shape = tuple(dims), [size for size, _ in dims.values()]
+        mesh = torch.empty(shape, dtype=torch.int)
+        for index in itertools.product(*(range(n) for n in shape)):
+            at = dict(zip(names, index, strict=True))
+            role = Role(
+                dp=at.get("dp_replicate", 0) * self.layout.dp_shard + at.get("dp_shard", 0),
+                pp=at.get("pp", 0),
+                tp=at.get("tp", 0),
+            )
+            mesh[index] = self.layout.global_rank(role)
+        groups: list[dist.ProcessGroup] = [self.get(kind) for _, kind in dims.values()]
+        built = DeviceMesh.from_group(groups, device_type, mesh, mesh_dim_names=names)
+        with self._lock:
+            self._mesh = built
+        return built
 
     def kinds_of(self, pg: dist.ProcessGroup) -> str | None:
         """The kind of one of my groups (None for any other group)."""
@@ -123,6 +159,7 @@ class ProcessGroups:
                 unregister(pg)
             self._groups.clear()
             self._world = None
+            self._mesh = None
 
 
 # -- the default group and torch.distributed's entry points ---------------------------
@@ -194,23 +231,23 @@ def new_group(*args: Any, **kwargs: Any) -> Any:
     raise UnsupportedCollective(
         "dist.new_group: a group built outside the TrainMover runtime cannot be replaced "
         "when a machine migrates (its collectives would hang on the leaver); take the group "
-        "from the runtime: rt.process_group('tp' | 'pp' | 'dp')"
+        "from the runtime: rt.process_group('tp' | 'pp' | 'dp'), or the whole mesh: "
+        "rt.device_mesh()"
     )
 
 
 def install_hooks() -> None:
-    """Routes `dist.init_process_group` and `dist.new_group` to the runtime."""
-    dist.init_process_group = init_process_group  # type: ignore[assignment]
-    dist.new_group = new_group
-    c10d_world.init_process_group = init_process_group  # type: ignore[assignment]
-    c10d_world.new_group = new_group  # type: ignore[assignment]
+    """Routes `dist.init_process_group` and `dist.new_group` to the runtime, also where
+    `DeviceMesh` imported them by name (`init_device_mesh`, `_flatten`)."""
+    for module in (dist, c10d_world, device_mesh_module):
+        module.init_process_group = init_process_group  # type: ignore[attr-defined]
+        module.new_group = new_group  # type: ignore[attr-defined]
 
 
 def remove_hooks() -> None:
-    dist.init_process_group = _REAL_INIT
-    dist.new_group = _REAL_NEW_GROUP
-    c10d_world.init_process_group = _REAL_INIT  # type: ignore[assignment]
-    c10d_world.new_group = _REAL_NEW_GROUP  # type: ignore[assignment]
+    for module in (dist, c10d_world, device_mesh_module):
+        module.init_process_group = _REAL_INIT  # type: ignore[attr-defined]
+        module.new_group = _REAL_NEW_GROUP  # type: ignore[attr-defined]
     _set_default(None)
     _ACTIVE.clear()
 

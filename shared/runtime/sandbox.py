@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from trainmover.runtime.c10d import completed_work
 from trainmover.runtime.groups import Group
-from trainmover.runtime.layout import Layout
+from trainmover.runtime.layout import Layout, Role
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.steptime import InFlightSpan
 
@@ -259,29 +259,32 @@ class LocalGroup(Group):
 
 
 def sandbox_specs(machine: str, layout: Layout, round_id: str) -> dict[str, GroupSpec]:
-    """Group specs of a sandbox: the machine's real TP group, and PP/DP/world groups of
-    the layout's sizes whose other members are placeholders. Names carry the round, so a
-    store file is never reused."""
+    """Group specs of a sandbox, by kind: the machine's real TP group, and a group of
+    every other kind of the layout's roles (and the world group) of the layout's sizes,
+    whose other members are placeholders. Names carry the round, so a store file is
+    never reused."""
     me = [RankRef(machine=machine, local_rank=t) for t in range(layout.tp)]
-
-    def placeholders(size: int) -> list[RankRef]:
-        return [RankRef(machine="sandbox", local_rank=i) for i in range(size)]
-
-    return {
-        "tp": GroupSpec(name=f"sandbox.{round_id}.tp", kind="tp", generation=0, members=me),
-        "pp": GroupSpec(
-            name=f"sandbox.{round_id}.pp", kind="pp", generation=0, members=placeholders(layout.pp)
-        ),
-        "dp": GroupSpec(
-            name=f"sandbox.{round_id}.dp", kind="dp", generation=0, members=placeholders(layout.dp)
-        ),
-        "world": GroupSpec(
-            name=f"sandbox.{round_id}.world",
-            kind="world",
-            generation=0,
-            members=placeholders(layout.world_size),
-        ),
+    role = Role(dp=0, pp=0, tp=0)
+    sizes: dict[str, int] = {
+        kind: len(layout.group_members(kind, role))
+        for kind in layout.role_group_kinds
+        if kind != "tp"
     }
+    sizes["world"] = layout.world_size
+
+    def spec(kind: str, members: list[RankRef]) -> GroupSpec:
+        return GroupSpec(
+            name=f"sandbox.{round_id}.{kind}",
+            kind=kind,  # type: ignore[arg-type]
+            generation=0,
+            members=members,
+        )
+
+    placeholders = {
+        kind: spec(kind, [RankRef(machine="sandbox", local_rank=i) for i in range(size)])
+        for kind, size in sizes.items()
+    }
+    return {"tp": spec("tp", me), **placeholders}
 
 
 def local_tp_group(spec: GroupSpec, me: RankRef, store_dir: Path, timeout_s: float) -> Group:

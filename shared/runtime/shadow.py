@@ -152,20 +152,27 @@ def _shadow_role(
     tp = LocalGroup(local_tp_group(specs["tp"], me, sandbox_dir, timeout_s), stats)
     record = load_record(records, role_type)
     groups = GroupTable()
+    seed = seed_for(role_type, role.tp)
     groups.install(
         [
             tp,
-            SandboxGroup(specs["pp"], role.pp, record, stats, seed_for(role_type, role.tp)),
-            SandboxGroup(specs["dp"], role.dp, {}, stats, seed_for(role_type, role.tp)),
-            SandboxGroup(
-                specs["world"], layout.global_rank(role), {}, stats, seed_for(role_type, role.tp)
+            *(
+                SandboxGroup(
+                    spec,
+                    _rank_in(layout, kind, role),
+                    record if kind == "pp" else {},  # pipeline receives are replayed
+                    stats,
+                    seed,
+                )
+                for kind, spec in specs.items()
+                if kind != "tp"
             ),
         ]
     )
     rng = torch.get_rng_state()  # the shadow must not move the process's global RNG
     # c10d groups over the sandbox's, the default group among them, for a loop
     # written against standard PyTorch (DDP, dist.init_process_group()).
-    c10d = ProcessGroups(layout, role, groups.get, dist.HashStore(), f"{specs['dp'].name}/")
+    c10d = ProcessGroups(layout, role, groups.get, dist.HashStore(), f"{specs['world'].name}/")
     times = []
     try:
         with activated(c10d, default=True):
@@ -179,6 +186,13 @@ def _shadow_role(
         c10d.close()
         groups.shutdown()
     return times
+
+
+def _rank_in(layout: Layout, kind: str, role: Role) -> int:
+    """`role`'s rank in its group of `kind` (the world group: its global rank)."""
+    if kind == "world":
+        return layout.global_rank(role)
+    return layout.group_members(kind, role).index(role)  # type: ignore[arg-type]
 
 
 def warm_up(

@@ -23,8 +23,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
-from trainmover.runtime import pgs
+from trainmover.runtime import c10d, pgs
 from trainmover.runtime.groups import Group, GroupTable
 from trainmover.runtime.layout import Layout, Role
 from trainmover.runtime.plan import GroupSpec, RankRef
@@ -91,6 +93,9 @@ class StandardTorch:
     def process_group(self, kind: str) -> dist.ProcessGroup:
         return pgs.active().get(kind)
 
+    def device_mesh(self, device_type: str) -> DeviceMesh:
+        return pgs.active().device_mesh(device_type)
+
     def track(self, model: torch.nn.Module) -> None:
         """Remembers a DDP model (refusing one over a group the runtime does not own) and
         gives it the bucket layout every realignment gives (`pgs.realign`), so a run
@@ -98,6 +103,28 @@ class StandardTorch:
         if pgs.is_ddp(model) and self.live is not None:
             self._ddp.append((model, pgs.check_ddp(model, self.live)))  # type: ignore[arg-type]
             pgs.realign(model)  # type: ignore[arg-type]
+
+    def discard_step(self, model: torch.nn.Module) -> None:
+        """After a discarded step, on the training thread: FSDP2's per-iteration state
+        (unsharded parameters, collectives in flight, hooks' training states) is reset
+        on each root FSDP module, as after any exception mid forward or backward, so the
+        re-executed step all-gathers and reduces exactly as on a fresh joiner."""
+        states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+        with c10d.discarding():
+            for module, state in zip(
+                [m for m in model.modules() if isinstance(m, FSDPModule)], states, strict=True
+            ):
+                if state._is_root:
+                    module.reset_iter_state()
+        # The reset leaves the gradients that a layer's backward wrote before its
+        # reduce-scatter failed on the unsharded parameters (torch 2.13): the
+        # re-executed backward would add to them.
+        for state in states:
+            for param_group in state._fsdp_param_groups:
+                for param in param_group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    if hasattr(param, "_unsharded_param"):
+                        param._unsharded_param.grad = None
 
     def installed(self, kinds: list[str]) -> None:
         """After a switch installed new groups of `kinds`: every DDP over one of them is

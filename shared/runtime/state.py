@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from trainmover.runtime.groups import Group
 from trainmover.runtime.transfer import (
@@ -63,13 +64,14 @@ class TrainingState:
 
         Through `torch.distributed.checkpoint.state_dict`, so names are fully qualified
         parameter names whatever wraps the model (DDP's ``module.`` prefix is not part
-        of them) and the same code serves sharded (DTensor) state."""
+        of them). Sharded (DTensor) state is this rank's local shards, views of their
+        own storage: what a joiner of the same role holds, one to one."""
         model = get_model_state_dict(self.model)
-        tensors = {f"model.{n}": cast(torch.Tensor, t).detach() for n, t in model.items()}
+        tensors = {f"model.{n}": _local(cast(torch.Tensor, t)) for n, t in model.items()}
         for fqn, entry in sorted(self._optim_state()["state"].items()):
             for key, value in sorted(entry.items()):
                 if isinstance(value, torch.Tensor):
-                    tensors[f"optim.{fqn}{_KEY}{key}"] = value
+                    tensors[f"optim.{fqn}{_KEY}{key}"] = _local(value)
         tensors["rng.torch"] = torch.get_rng_state()
         device = _device_of(self.model)
         if device.type == "cuda":
@@ -101,7 +103,12 @@ class TrainingState:
 
     def restore(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Overwrites this rank's state with a captured one."""
-        model = {n.removeprefix("model."): t for n, t in tensors.items() if n.startswith("model.")}
+        own = {n: t for n, t in get_model_state_dict(self.model).items() if isinstance(t, DTensor)}
+        model = {
+            n.removeprefix("model."): _shaped_like(own.get(n.removeprefix("model.")), t)
+            for n, t in tensors.items()
+            if n.startswith("model.")
+        }
         set_model_state_dict(self.model, cast(dict[str, Any], model))
         if header["param_groups"] is None:
             self.optimizer.state.clear()  # the sender had not stepped yet either
@@ -110,7 +117,7 @@ class TrainingState:
             for name, value in tensors.items():
                 if name.startswith("optim."):
                     fqn, key = name.removeprefix("optim.").rsplit(_KEY, 1)
-                    state.setdefault(fqn, {})[key] = value
+                    state.setdefault(fqn, {})[key] = _shaped_like(own.get(fqn), value)
             for fqn, scalars in header["optim_scalars"].items():
                 state.setdefault(fqn, {}).update(scalars)
             own_groups = self.optimizer.param_groups
@@ -200,6 +207,28 @@ def _like(own: Any, received: Any) -> Any:
     """The received value with the container type of our own (JSON turns tuples such as
     Adam's betas into lists)."""
     return tuple(received) if isinstance(own, tuple) and isinstance(received, list) else received
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard (a view of its storage)."""
+    return t.to_local().detach() if isinstance(t, DTensor) else t.detach()
+
+
+def _shaped_like(own: torch.Tensor | None, local: torch.Tensor) -> torch.Tensor:
+    """A received local tensor as the DTensor this rank's own state holds under its name
+    (same mesh, placements and global shape), when it holds one of that local shape: a
+    parameter's shard, or an optimizer state shaped like its parameter (Adam's moments);
+    anything else (a step count) as it came."""
+    if not isinstance(own, DTensor) or own.to_local().shape != local.shape:
+        return local
+    return DTensor.from_local(
+        local,
+        own.device_mesh,
+        own.placements,
+        run_check=False,
+        shape=own.shape,
+        stride=own.stride(),
+    )
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

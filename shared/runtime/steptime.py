@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 
 class _OwnSchedStat:
@@ -158,7 +159,9 @@ class InFlightClock:
                 with self._lock:
                     self._spans.append((span.started, time.perf_counter()))
 
-        work.get_future().add_done_callback(done)  # type: ignore[attr-defined]
+        future = future_of(work)
+        if future is not None:  # without one the work is only waited by the runtime
+            future.add_done_callback(done)
         return span
 
     def covered(self, start: float, end: float) -> float:
@@ -173,6 +176,16 @@ class InFlightClock:
                 total += b - max(a, reach)
                 reach = b
         return total
+
+
+def future_of(work: Any) -> Any:
+    """A c10d work's future (a `torch.futures.Future`; this module does not import
+    torch); None where the backend gives it none (gloo's reduce-scatters, point-to-point
+    works)."""
+    try:
+        return work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        return None
 
 
 #: Every c10d work posted for a library goes through this clock.

@@ -45,6 +45,7 @@ from typing import Literal
 import structlog
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainmover.runtime import checkpoint, dumps, fault, logs
 from trainmover.runtime import control as c
@@ -214,6 +215,13 @@ class Runtime:
         sandbox's). `dist.init_process_group()` installs the default group likewise."""
         return self.torch.process_group(kind)
 
+    def device_mesh(self) -> DeviceMesh:
+        """A `DeviceMesh` of the job's layout for FSDP2, DTensor and pipelining: dimensions
+        "pp", "dp_replicate", "dp_shard", "tp" (outermost first, those of size 1 left
+        out), each over this role's group of that dimension, so a migration swaps exactly
+        the groups of its delta under it (inside a shadow step: the sandbox's groups)."""
+        return self.torch.device_mesh(self.device.type)
+
     def track(
         self,
         model: torch.nn.Module,
@@ -283,6 +291,7 @@ class Runtime:
             votes.end()
             if votes.discarded:
                 state.restore_light(light)  # re-executed later with the same data
+                self.torch.discard_step(state.model)
                 state.optimizer.zero_grad(set_to_none=True)  # a partial accumulation
                 self._end_recording(None)
                 self._conn.notify(

@@ -16,6 +16,7 @@ import difflib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -121,14 +122,19 @@ def test_the_standby_warmed_by_running_ddp_inside_the_sandbox(moved):
         assert warmed.synthesized >= 2
 
 
-def test_the_docs_show_exactly_the_examples_diff():
-    before = inspect.getsource(train.main).splitlines()
-    after = inspect.getsource(train_trainmover.main).splitlines()
+def assert_docs_show_the_diff(plain: ModuleType, under_trainmover: ModuleType) -> None:
+    """docs/integration.md shows exactly the diff between the two scripts' `main`."""
+    before = inspect.getsource(plain.main).splitlines()
+    after = inspect.getsource(under_trainmover.main).splitlines()
     diff = "\n".join(
         difflib.unified_diff(before, after, "train.py", "train_trainmover.py", lineterm="")
     )
     docs = (ROOT / "docs" / "integration.md").read_text()
     assert f"```diff\n{diff}\n```" in docs
+
+
+def test_the_docs_show_exactly_the_examples_diff():
+    assert_docs_show_the_diff(train, train_trainmover)
 
 
 # -- DP=3 --------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ ROLE = Role(dp=1, pp=0, tp=1)
 
 def sandboxed(layout: Layout, role: Role, stats: SandboxStats) -> GroupTable:
     table = GroupTable()
-    for kind in ("tp", "pp", "dp", "world"):
+    for kind in (*layout.role_group_kinds, "world"):
         if kind == "world":
             size, rank = layout.world_size, layout.global_rank(role)
         else:
@@ -121,3 +121,42 @@ def test_torchrun_environment_follows_the_role(monkeypatch):
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": "29400",
     }
+
+
+HSDP = Layout(tp=2, pp=1, dp=4, dp_shard=2)
+HSDP_ROLE = Role(dp=3, pp=0, tp=1)
+
+
+@pytest.fixture
+def hsdp():
+    pgs = P.ProcessGroups(
+        HSDP, HSDP_ROLE, sandboxed(HSDP, HSDP_ROLE, SandboxStats()).get, dist.HashStore(), "h."
+    )
+    P.install_hooks()
+    with P.activated(pgs, default=True):
+        yield pgs
+    P.remove_hooks()
+    pgs.close()
+
+
+def test_the_device_mesh_runs_each_dimension_over_the_roles_group(hsdp):
+    mesh = hsdp.device_mesh("cpu")
+    assert hsdp.device_mesh("cpu") is mesh
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
+    for dim, (size, kind) in HSDP.mesh_dims().items():
+        assert mesh[dim].get_group() is hsdp.get(kind)
+        assert mesh[dim].size() == size
+        assert mesh.get_local_rank(dim) == HSDP.mesh_coordinate(HSDP_ROLE, dim)
+    assert mesh.get_rank() == HSDP.global_rank(HSDP_ROLE)
+
+
+def test_a_mesh_the_script_builds_itself_is_refused_naming_the_runtimes(hsdp):
+    with pytest.raises(UnsupportedCollective, match=r"rt.device_mesh\(\)"):
+        torch.distributed.device_mesh.init_device_mesh(
+            "cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c")
+        )
+
+
+def test_a_dp_group_is_refused_where_the_dp_ranks_shard_and_replicate(hsdp):
+    with pytest.raises(ValueError, match="no process group of kind 'dp' in layout 2x1x4s2"):
+        hsdp.get("dp")

@@ -1,0 +1,118 @@
+"""examples/llama: a torchtitan-style script (FSDP2/HSDP over `rt.device_mesh()`) under
+TrainMover, run as real processes.
+
+HSDP at DP=4 (2 replicas of 2 shards, one rank per machine): an uninterrupted run, and
+one where a warm standby takes over m0 in a planned migration (its local shards and
+AdamW state handed over one to one), then m1 is SIGKILLed while FSDP2's gradient
+reduce-scatter is in flight: every survivor discards the step (FSDP2's per-iteration
+state reset), and m1's joiner gets its shard from m3, the replica of the same shard.
+Pure FSDP at DP=2 has no replica: a failure falls back to the last checkpoint. Every
+run dumps every role's full state at the last step; the moved runs must be
+bit-identical to the uninterrupted ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.examples.test_ddp import (
+    WAIT_S,
+    Run,
+    assert_bit_identical,
+    assert_docs_show_the_diff,
+    dp_roles,
+)
+from trainmover.examples.llama import train, train_trainmover
+from trainmover.localjob import LocalJob
+from trainmover.runtime.config import JobConfig
+
+ENTRY = "trainmover.examples.llama.train_trainmover"
+STEPS = 10
+HSDP = JobConfig(
+    job="llama-example",
+    layout={"tp": 1, "pp": 1, "dp": 4, "dp_shard": 2},
+    cluster={"machines": ["m0", "m1", "m2", "m3"]},
+    model={"n_layers": 2},
+    train={"steps": STEPS, "dump_steps": [STEPS]},
+    runtime={"group_timeout_s": 60, "failure_timeout_s": 60},
+)
+PLANNED_AT = 3
+FAULT = ("m1", 6, "dp-reduce-scatter")
+
+
+def _reference(config: JobConfig, run_dir: Path) -> Run:
+    with LocalJob.launch(config, run_dir, standbys=0, entry=ENTRY, timeout_s=WAIT_S) as job:
+        job.finish(timeout_s=WAIT_S)
+        return Run(run_dir, job.losses(), steps=config.train.steps)
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _reference(HSDP, tmp_path_factory.mktemp("llama-reference"))
+
+
+@pytest.fixture(scope="module")
+def hsdp_moved(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run_dir = tmp_path_factory.mktemp("llama-moved")
+    machine, step, point = FAULT
+    with LocalJob.launch(
+        HSDP, run_dir, standbys=2, entry=ENTRY, timeout_s=WAIT_S, limit=2,
+        extra_env={"TM_TEST_FAULT": f"{machine}@{step}:{point}"},
+    ) as job:  # fmt: skip
+        job.wait_step(2)
+        warmed = job.warm(timeout_s=WAIT_S)  # shadow iterations of the user's FSDP2 model
+        job.set_limit(PLANNED_AT)
+        report = job.migrate({"m0": "s0"}, at_step=PLANNED_AT)
+        assert report.commit_step == PLANNED_AT
+        job.set_limit(STEPS)
+        dead, noticed = job.wait_failure(timeout_s=WAIT_S)
+        recovery = job.recover(dead, detected_at=noticed, timeout_s=WAIT_S)
+        job.finish(timeout_s=WAIT_S)
+        return Run(run_dir, job.losses(), warmed, [recovery], steps=STEPS)
+
+
+def test_a_moved_hsdp_job_ends_bit_identical_to_an_uninterrupted_one(hsdp_reference, hsdp_moved):
+    assert_bit_identical(hsdp_moved, hsdp_reference, dp_roles(4))
+
+
+def test_a_failed_shard_comes_from_the_replica_of_the_same_shard(hsdp_moved):
+    assert hsdp_moved.recoveries is not None
+    (recovery,) = hsdp_moved.recoveries
+    assert recovery.dead == "m1" and recovery.step == FAULT[1] - 1
+    assert recovery.plan.restore == "transfer" and recovery.plan.state_sources == {"m1": "m3"}
+
+
+def test_the_standby_warmed_fsdp2_inside_the_sandbox(hsdp_moved):
+    assert hsdp_moved.warmed is not None
+    for warmed in hsdp_moved.warmed.values():
+        assert warmed.error == "" and not warmed.store_known
+        # FSDP2's all-gathers, reduce-scatters and HSDP's all-reduces, answered locally
+        assert warmed.synthesized >= 2 * 3
+
+
+def test_pure_fsdp_falls_back_to_the_checkpoint_and_ends_bit_identical(tmp_path: Path) -> None:
+    config = HSDP.with_updates(
+        layout={"dp": 2, "dp_shard": 2},
+        cluster={"machines": ["m0", "m1"]},
+        runtime={"checkpoint_every": 2},
+    )
+    reference = _reference(config, tmp_path / "ref")
+    with LocalJob.launch(
+        config, tmp_path / "moved", standbys=1, entry=ENTRY, timeout_s=WAIT_S, limit=2,
+        extra_env={"TM_TEST_FAULT": "m1@5:dp-reduce-scatter"},
+    ) as job:  # fmt: skip
+        job.wait_step(2)
+        job.warm(timeout_s=WAIT_S)
+        job.set_limit(STEPS)
+        dead, noticed = job.wait_failure(timeout_s=WAIT_S)
+        recovery = job.recover(dead, detected_at=noticed, timeout_s=WAIT_S)
+        assert recovery.plan.restore == "checkpoint"
+        job.finish(timeout_s=WAIT_S)
+        moved = Run(tmp_path / "moved", job.losses(), steps=STEPS)
+    assert_bit_identical(moved, reference, dp_roles(2))
+
+
+def test_the_docs_show_exactly_the_examples_diff():
+    assert_docs_show_the_diff(train, train_trainmover)
