@@ -315,11 +315,11 @@ def _parser() -> argparse.ArgumentParser:
     dm.add_argument(
         "--steps",
         type=int,
-        help="the most steps the job trains (default 600; --example ddp 3000); it ends a few "
-        "steps after its last migration",
+        help="the most steps the job trains (default 600; --example ddp 3000, llama 1500); it "
+        "ends a few steps after its last migration",
     )
     dm.add_argument("--workdir", help="where runs and logs go (default: temporary)")
-    dm.add_argument("--example", help="run examples/NAME instead of the reference job (ddp)")
+    dm.add_argument("--example", help="run examples/NAME instead of the reference job (ddp, llama)")
     dm.add_argument(
         "--verbose", action="store_true", help="stream the services' logs instead of files"
     )

@@ -74,6 +74,19 @@ EXAMPLES: dict[str, DemoJob] = {
         default_steps=3000,
         model={"d_model": 64},
     ),
+    "llama": DemoJob(
+        name="llama",
+        description=(
+            "examples/llama (a torchtitan-style FSDP2 + TP script) at TP2 x HSDP(2x2) on "
+            "4 machines + 2 standbys"
+        ),
+        entry="trainmover.examples.llama.train_trainmover",
+        # m2's shard is held by m0 too (the other replica): the kill recovers from it.
+        targets=("m1", "m2", "m3"),
+        layout={"tp": 2, "pp": 1, "dp": 4, "dp_shard": 2},
+        machines=["m0", "m1", "m2", "m3"],
+        default_steps=1500,
+    ),
 }
 
 

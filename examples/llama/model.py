@@ -4,10 +4,9 @@ RMSNorm before attention and before the feed-forward, rotary position embeddings
 (applied in real arithmetic: a cos/sin table, so no complex tensors travel), causal
 multi-head attention through `scaled_dot_product_attention`, a SwiGLU feed-forward, and
 tied or untied input/output embeddings. Layers sit in a `ModuleDict` keyed by their
-index, so a pipeline stage keeps the global names of the layers it holds (its state
-dict's keys are those of the whole model) and drops the others; attention reads its
-local number of heads from its projections, so a tensor-parallel rank that holds a
-slice of the heads runs the same code.
+index (so a pipeline stage could keep the global names of the layers it holds);
+attention reads its local number of heads from its projections, so a tensor-parallel
+rank that holds a slice of the heads runs the same code.
 """
 
 from __future__ import annotations
@@ -96,17 +95,16 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids in, logits out. A pipeline stage sets the parts it does not hold to None
-    (`keep_stage`), and then passes hidden states instead."""
+    """Token ids in, logits out."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.register_buffer("rope", rope_table(args), persistent=False)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.reset_parameters()
@@ -122,25 +120,8 @@ class Transformer(nn.Module):
             )
             nn.init.normal_(p, std=std * scale)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(h)
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
-
-
-def keep_stage(model: Transformer, stage: int, stages: int) -> Transformer:
-    """Keeps pipeline stage `stage` of `stages` (an equal share of the layers; the
-    embedding on the first, the final norm and output on the last)."""
-    per = model.args.n_layers // stages
-    for i in range(model.args.n_layers):
-        if not stage * per <= i < (stage + 1) * per:
-            del model.layers[str(i)]
-    if stage > 0:
-        model.tok_embeddings = None
-    if stage < stages - 1:
-        model.norm, model.output = None, None
-    return model
+        return self.output(self.norm(h))

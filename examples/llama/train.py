@@ -1,6 +1,6 @@
 """A torchtitan-style torchrun script: the Llama decoder of `model.py` trained with FSDP2
-(HSDP when the data-parallel ranks are both replicated and sharded), DTensor tensor
-parallelism and pipeline parallelism on one `DeviceMesh`.
+(HSDP when the data-parallel ranks are both replicated and sharded) and DTensor tensor
+parallelism on one `DeviceMesh`.
 
 Run with ``torchrun --nproc-per-node 4 -m trainmover.examples.llama.train --dp-shard 2
 --dp-replicate 2 --steps 20``. The building blocks (`Settings`, `build`, `train_step`,
@@ -20,11 +20,25 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from trainmover.examples.llama.model import ModelArgs, Transformer
 
 #: The mesh's dimensions, outermost first, as torchtitan orders them.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+#: Tensor parallelism inside a block (Megatron-style): the heads and the feed-forward's
+#: hidden units split across the TP ranks, one all-reduce after attention and one after
+#: the feed-forward; norms and embeddings replicated.
+TP_PLAN = {
+    "attention.wq": ColwiseParallel(),
+    "attention.wk": ColwiseParallel(),
+    "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "feed_forward.w1": ColwiseParallel(),
+    "feed_forward.w3": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(),
+}
 
 
 @dataclass(frozen=True)
@@ -106,8 +120,15 @@ def build(
     names = mesh.mesh_dim_names or ()
     if s.dp_replicate > 1 and s.dp_shard == 1:
         raise ValueError("replicated data parallelism here is HSDP: give --dp-shard > 1")
+    if "pp" in names:
+        raise ValueError("this example has no pipeline parallelism yet: pp must be 1")
     torch.manual_seed(s.seed)
     model = Transformer(s.model).to(device)
+    if "tp" in names:
+        for layer in model.layers.values():
+            # Every rank initialised the whole model alike: each keeps its slice, no
+            # collective (src_data_rank=None).
+            parallelize_module(layer, mesh["tp"], TP_PLAN, src_data_rank=None)
     dp_dims = tuple(d for d in ("dp_replicate", "dp_shard") if d in names)
     if dp_dims:
         dp_mesh = mesh[dp_dims]

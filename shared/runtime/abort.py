@@ -44,8 +44,9 @@ FailureHandler = Callable[[CollectiveError], None]
 
 
 class Waiter:
-    """Daemon threads that block in `work.wait()` for point-to-point works, growing when
-    all are busy (an abandoned wait holds its thread until the group is shut down).
+    """Daemon threads that block in `work.wait()` for point-to-point works (and works
+    without a future), growing when all are busy (an abandoned wait holds its thread
+    until the group is shut down).
     Daemon threads, not a ThreadPoolExecutor: its threads are joined at interpreter exit,
     which an abandoned wait would block."""
 

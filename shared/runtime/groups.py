@@ -48,11 +48,13 @@ class PendingWork:
     """A posted work item of a group, waited through the rank's abort signal.
 
     A collective's work is waited in slices; a point-to-point work is handed to the
-    `Waiter` at once (its own timed wait would close the gloo pair)."""
+    `Waiter` at once (its own timed wait would close the gloo pair), and so is a work
+    without a future (gloo's reduce-scatters: their timed wait blocks for the group's
+    whole timeout, out of the abort signal's reach)."""
 
     def __init__(self, group: Group, work: Any, peer: int | None, p2p: bool):
         self.group, self.work, self.peer = group, work, peer
-        self.future = WAITER.submit(work) if p2p else None
+        self.future = WAITER.submit(work) if p2p or future_of(work) is None else None
         self.failed = False
 
     @property

@@ -25,6 +25,8 @@ from pathlib import Path
 import structlog
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor._collective_utils import MeshTopoInfo
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from trainmover.runtime import control as c
 from trainmover.runtime.groups import GroupTable
@@ -185,7 +187,17 @@ def _shadow_role(
         torch.set_rng_state(rng)
         c10d.close()
         groups.shutdown()
+        forget_sandbox_meshes()
     return times
+
+
+def forget_sandbox_meshes() -> None:
+    """Drops DTensor's caches of sharding decisions. They are keyed by `DeviceMesh`
+    equality, which compares ranks and dimension names, not groups: a sandbox mesh is
+    equal to the live mesh of the same layout, so a decision cached in a shadow step
+    would hand the live model the sandbox's mesh (its groups, its coordinates)."""
+    _clear_sharding_prop_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def _rank_in(layout: Layout, kind: str, role: Role) -> int:

@@ -76,6 +76,7 @@ class RankTracker:
                     self.last_step[ref] = max(self.last_step.get(ref, 0), msg.step)
                 else:  # a recovery resumes every rank from one step (maybe an older one)
                     self.last_step[ref] = msg.step
+                    self._forget_undone(msg.step, msg.t_start)
             elif isinstance(msg, c.Warmed):
                 self.warmed[ref] = msg
             elif isinstance(msg, c.CollectiveErrorEvent):
@@ -163,6 +164,17 @@ class RankTracker:
     def live(self) -> list[RankRef]:
         with self._cond:
             return [r for r, p in self.procs.items() if p.poll() is None and r not in self.exited]
+
+    def _forget_undone(self, resumed: int, recovery_began: float) -> None:
+        """A recovery from a checkpoint re-executes steps after `resumed` that some ranks
+        had committed: their earlier reports (of ranks the recovery may have replaced)
+        leave `steps`, which then holds one report per role (`history` keeps them)."""
+        for step in [s for s in self.steps if s > resumed]:
+            kept = {r: e for r, e in self.steps[step].items() if e.t_end > recovery_began}
+            if kept:
+                self.steps[step] = kept
+            else:
+                del self.steps[step]
 
     def step_of(self, ref: RankRef) -> int:
         with self._cond:

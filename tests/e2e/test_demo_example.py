@@ -1,7 +1,7 @@
-"""`trainmover demo --example ddp` through the real stack, as a user runs it.
+"""`trainmover demo --example ddp|llama` through the real stack, as a user runs it.
 
 The CLI in a child process: embedded nats-server, planner, executor, health-monitor and
-a sidecar per machine running examples/ddp; a drain, a SIGKILL and a straggler; then the
+a sidecar per machine running examples/ddp (or examples/llama); a drain, a SIGKILL and a straggler; then the
 uninterrupted run of the same script and the bit-exact comparison, into --json.
 """
 
@@ -21,10 +21,12 @@ pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_ddp_example_demo_moves_three_times_and_ends_bit_identical(tmp_path: Path) -> None:
+def run_demo(example: str, tmp_path: Path) -> dict:
+    """`trainmover demo --example EXAMPLE` in a child process; its --json report, checked
+    to have the reference demo's keys and three completed migrations."""
     out = tmp_path / "demo.json"
     done = subprocess.run(
-        [sys.executable, "-m", "trainmover.cli", "demo", "--example", "ddp", "--json", str(out),
+        [sys.executable, "-m", "trainmover.cli", "demo", "--example", example, "--json", str(out),
          "--workdir", str(tmp_path / "work")],
         cwd=ROOT, capture_output=True, text=True, timeout=840,
     )  # fmt: skip
@@ -37,9 +39,21 @@ def test_the_ddp_example_demo_moves_three_times_and_ends_bit_identical(tmp_path:
         assert set(m) == {f.name for f in dataclasses.fields(MigrationRow)}
         assert m["state"] == "done", m["detail"]
         assert m["downtime_s"] is not None and m["downtime_s"] > 0
+    return report
+
+
+def test_the_ddp_example_demo_moves_three_times_and_ends_bit_identical(tmp_path: Path) -> None:
+    report = run_demo("ddp", tmp_path)
     drain, failure, straggler = report["migrations"]
     assert drain["leaver"] == "m0" and failure["leaver"] == drain["joiner"]
     assert straggler["leaver"] == "m1"
+    assert report["bitexact"] is True and report["mismatches"] == []
+
+
+def test_the_llama_example_demo_moves_three_times_and_ends_bit_identical(tmp_path: Path) -> None:
+    """TP2 x HSDP(2x2): the killed machine's shards come from the other replica."""
+    report = run_demo("llama", tmp_path)
+    assert [m["leaver"] for m in report["migrations"]] == ["m1", "m2", "m3"]
     assert report["bitexact"] is True and report["mismatches"] == []
 
 

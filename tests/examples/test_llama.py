@@ -6,9 +6,10 @@ one where a warm standby takes over m0 in a planned migration (its local shards 
 AdamW state handed over one to one), then m1 is SIGKILLed while FSDP2's gradient
 reduce-scatter is in flight: every survivor discards the step (FSDP2's per-iteration
 state reset), and m1's joiner gets its shard from m3, the replica of the same shard.
-Pure FSDP at DP=2 has no replica: a failure falls back to the last checkpoint. Every
-run dumps every role's full state at the last step; the moved runs must be
-bit-identical to the uninterrupted ones.
+With tensor parallelism (TP2) and pure FSDP at DP=2, a planned move hands over the
+shards of DTensor-parallel weights, and a failure, with no replica, falls back to the
+last checkpoint. Every run dumps every role's full state at the last step; the moved
+runs must be bit-identical to the uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -92,26 +93,33 @@ def test_the_standby_warmed_fsdp2_inside_the_sandbox(hsdp_moved):
         assert warmed.synthesized >= 2 * 3
 
 
-def test_pure_fsdp_falls_back_to_the_checkpoint_and_ends_bit_identical(tmp_path: Path) -> None:
+def test_tp_with_pure_fsdp_moves_and_falls_back_to_the_checkpoint_bit_identically(
+    tmp_path: Path,
+) -> None:
+    """TP2 x FSDP2: a planned move hands over local shards of DTensor-parallel weights;
+    a failure has no replica (pure FSDP), so every rank reloads the last checkpoint."""
     config = HSDP.with_updates(
-        layout={"dp": 2, "dp_shard": 2},
+        layout={"tp": 2, "dp": 2, "dp_shard": 2},
         cluster={"machines": ["m0", "m1"]},
         runtime={"checkpoint_every": 2},
     )
     reference = _reference(config, tmp_path / "ref")
     with LocalJob.launch(
-        config, tmp_path / "moved", standbys=1, entry=ENTRY, timeout_s=WAIT_S, limit=2,
-        extra_env={"TM_TEST_FAULT": "m1@5:dp-reduce-scatter"},
+        config, tmp_path / "moved", standbys=2, entry=ENTRY, timeout_s=WAIT_S, limit=2,
+        extra_env={"TM_TEST_FAULT": "m1@6:dp-reduce-scatter"},
     ) as job:  # fmt: skip
         job.wait_step(2)
         job.warm(timeout_s=WAIT_S)
+        job.set_limit(PLANNED_AT)
+        assert job.migrate({"m0": "s0"}, at_step=PLANNED_AT).commit_step == PLANNED_AT
         job.set_limit(STEPS)
         dead, noticed = job.wait_failure(timeout_s=WAIT_S)
         recovery = job.recover(dead, detected_at=noticed, timeout_s=WAIT_S)
         assert recovery.plan.restore == "checkpoint"
         job.finish(timeout_s=WAIT_S)
         moved = Run(tmp_path / "moved", job.losses(), steps=STEPS)
-    assert_bit_identical(moved, reference, dp_roles(2))
+    roles = [f"d{d}p0t{t}" for d in range(2) for t in range(2)]
+    assert_bit_identical(moved, reference, roles)
 
 
 def test_the_docs_show_exactly_the_examples_diff():

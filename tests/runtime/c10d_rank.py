@@ -85,29 +85,45 @@ def point_to_point(pg: dist.ProcessGroup, group: Group, rank: int) -> dict[str, 
     return {"got": got, "tapped": tapped}
 
 
-def abort_a_wait(store: dist.Store, rank: int) -> dict[str, object]:
-    """Rank 0 all-reduces over a group whose other member never does (and stays alive);
-    its abort signal, set from another thread, ends the wait."""
+def abort_a_wait(store: dist.Store, rank: int, collective: str) -> dict[str, object]:
+    """Rank 0 posts `collective` ("all_reduce", or "reduce_scatter": gloo gives its work
+    no future, and its timed wait blocks for the group's whole timeout) over a group whose
+    other member never does (and stays alive); its abort signal, set from another thread,
+    ends the wait."""
     me = RankRef(machine=f"m{rank}", local_rank=0)
     signal = AbortSignal("e0", 60)
-    group = build_group(spec("abort.dp", "dp", 0, [0, 1]), me, store, "j", CPU, 60, signal)
-    pg = SwappableGroup("abort.dp", rank, 2, lambda: group)
+    name = f"abort.{collective}"
+    group = build_group(spec(name, "dp", 0, [0, 1]), me, store, "j", CPU, 60, signal)
+    pg = SwappableGroup(name, rank, 2, lambda: group)
     register(pg, [0, 1], store)
+
+    def post(backend: bool) -> None:
+        if collective == "all_reduce":
+            if backend:
+                group.backend.allreduce([torch.ones(2)]).wait()
+            else:
+                dist.all_reduce(torch.ones(2), group=pg)
+        elif backend:
+            opts = dist.ReduceScatterOptions()
+            group.backend._reduce_scatter_base(torch.ones(1), torch.ones(2), opts).wait()
+        else:
+            dist.reduce_scatter_single(torch.ones(1), torch.ones(2), group=pg)
+
     outcome: dict[str, object] = {}
     if rank == 0:
         threading.Timer(0.3, signal.set, ("e0", "a peer is gone")).start()
         started = time.monotonic()
         try:
-            dist.all_reduce(torch.ones(2), group=pg)
+            post(backend=False)
         except StepAborted as exc:
             outcome = {"error": str(exc), "seconds": time.monotonic() - started}
         outcome["dirty"] = group.dirty
-        store.set("abort/done", "1")
-        store.wait(["abort/matched"])  # the abandoned work is over on the wire too
+        store.set(f"{name}/done", "1")
+        store.wait([f"{name}/matched"])  # the abandoned work is over on the wire too
     else:
-        store.wait(["abort/done"])
-        group.backend.allreduce([torch.ones(2)]).wait()
-        store.set("abort/matched", "1")
+        store.wait([f"{name}/done"])
+        post(backend=True)
+        store.set(f"{name}/matched", "1")
     unregister(pg)
     group.shutdown()
     return outcome
@@ -169,7 +185,7 @@ def main(rank: int, size: int, port: int, out: str) -> int:
             result["p2p"] = point_to_point(pgs_a.get("dp"), swapped["dp"], rank)
     result["a"] = {n: p.detach().clone() for n, p in a.module.named_parameters()}
     result["b"] = {n: p.detach().clone() for n, p in b.module.named_parameters()}
-    result["aborted"] = abort_a_wait(store, rank)
+    result["aborted"] = {c: abort_a_wait(store, rank, c) for c in ("all_reduce", "reduce_scatter")}
     torch.save(result, out)
     for t in (swapped, steady):
         t.shutdown()

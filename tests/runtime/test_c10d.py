@@ -86,8 +86,9 @@ def test_sends_and_receives_over_the_c10d_group_arrive_and_are_tapped(ranks):
     assert ranks[0]["p2p"]["tapped"] == []  # a sender records nothing
 
 
-def test_a_c10d_wait_on_a_peer_that_never_posts_ends_with_the_abort(ranks):
-    aborted = ranks[0]["aborted"]
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_a_c10d_wait_on_a_peer_that_never_posts_ends_with_the_abort(ranks, collective):
+    aborted = ranks[0]["aborted"][collective]
     assert "a peer is gone" in aborted["error"]
     assert aborted["seconds"] < 30  # the abort, not the group's 60 s timeout
     assert aborted["dirty"]  # an abandoned work: a recovery rebuilds the group
