@@ -130,13 +130,18 @@ def recover(state: ClusterState, failures: list[FailureEvent], now: float) -> Ou
         )
     if orphans:
         why = ", ".join(orphans)
+        layout = state.layout
+        if layout.dp_replicate == 1:
+            cause = f"pure FSDP: DP={layout.dp} shards one copy" if layout.dp > 1 else "DP=1"
+        else:
+            cause = "every replica failed"
         outcome.progress.append(
             note(
                 outcome.state,
                 plan.event_id,
                 "fallback",
                 "falling back to checkpoint restart: no data-parallel replica of the "
-                f"roles of {why} is alive (DP=1, or every replica failed)",
+                f"roles of {why} is alive ({cause})",
                 *first_move(moves),
                 plan.plan_id,
             )

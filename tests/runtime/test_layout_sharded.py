@@ -91,6 +91,9 @@ def test_pure_fsdp_has_no_replica_and_falls_back_to_the_checkpoint() -> None:
     )
     (plan,) = out.plans
     assert plan.restore == "checkpoint" and plan.migration == "checkpoint_restart"
+    (fallback,) = [p for p in out.progress if p.state == "fallback"]
+    assert "no data-parallel replica of the roles of m1" in fallback.detail
+    assert "pure FSDP: DP=2 shards one copy" in fallback.detail
 
 
 def test_a_plan_refuses_a_source_of_another_shard() -> None:
