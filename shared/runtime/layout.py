@@ -217,6 +217,14 @@ class Layout(BaseModel):
             ]
         raise ValueError(f"a role has no group of kind {kind!r}")
 
+    def rank_and_size(self, kind: GroupKind, role: Role) -> tuple[int, int]:
+        """`role`'s rank in its group of `kind`, and the group's size (the world group:
+        its global rank among every rank of the job)."""
+        if kind == "world":
+            return self.global_rank(role), self.world_size
+        members = self.group_members(kind, role)
+        return members.index(role), len(members)
+
     def all_groups(self) -> dict[str, tuple[GroupKind, list[Role]]]:
         """Every group of the job: name -> (kind, members in group-rank order)."""
         groups: dict[str, tuple[GroupKind, list[Role]]] = {}

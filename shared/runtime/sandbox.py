@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from trainmover.runtime.c10d import completed_work
 from trainmover.runtime.groups import Group
-from trainmover.runtime.layout import Layout, Role
+from trainmover.runtime.layout import GroupKind, Layout, Role
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.steptime import InFlightSpan
 
@@ -265,12 +265,8 @@ def sandbox_specs(machine: str, layout: Layout, round_id: str) -> dict[str, Grou
     never reused."""
     me = [RankRef(machine=machine, local_rank=t) for t in range(layout.tp)]
     role = Role(dp=0, pp=0, tp=0)
-    sizes: dict[str, int] = {
-        kind: len(layout.group_members(kind, role))
-        for kind in layout.role_group_kinds
-        if kind != "tp"
-    }
-    sizes["world"] = layout.world_size
+    kinds: list[GroupKind] = [k for k in layout.role_group_kinds if k != "tp"]
+    sizes: dict[str, int] = {k: layout.rank_and_size(k, role)[1] for k in [*kinds, "world"]}
 
     def spec(kind: str, members: list[RankRef]) -> GroupSpec:
         return GroupSpec(

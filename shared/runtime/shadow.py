@@ -161,7 +161,7 @@ def _shadow_role(
             *(
                 SandboxGroup(
                     spec,
-                    _rank_in(layout, kind, role),
+                    layout.rank_and_size(kind, role)[0],  # type: ignore[arg-type]
                     record if kind == "pp" else {},  # pipeline receives are replayed
                     stats,
                     seed,
@@ -198,13 +198,6 @@ def forget_sandbox_meshes() -> None:
     would hand the live model the sandbox's mesh (its groups, its coordinates)."""
     _clear_sharding_prop_cache()
     MeshTopoInfo.build_from_mesh.cache_clear()
-
-
-def _rank_in(layout: Layout, kind: str, role: Role) -> int:
-    """`role`'s rank in its group of `kind` (the world group: its global rank)."""
-    if kind == "world":
-        return layout.global_rank(role)
-    return layout.group_members(kind, role).index(role)  # type: ignore[arg-type]
 
 
 def warm_up(

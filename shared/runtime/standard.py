@@ -65,8 +65,8 @@ class StandardTorch:
         self._before_use()
         if kind != "world":
             return self.groups.get(kind) or self._standin(kind)
-        if self.groups.get("dp") is None or self.world is None:
-            return self._standin(kind)  # a joiner before its switch
+        if self.groups.get("tp") is None or self.world is None:
+            return self._standin(kind)  # a joiner before its switch (every role has a tp group)
         return self.world.current()
 
     def _standin(self, kind: str) -> Group:
@@ -74,11 +74,7 @@ class StandardTorch:
         if group is None:
             assert self.live is not None
             role = self.live.role
-            if kind == "world":
-                size, rank = self.layout.world_size, self.layout.global_rank(role)
-            else:
-                members = self.layout.group_members(kind, role)  # type: ignore[arg-type]
-                size, rank = len(members), members.index(role)
+            rank, size = self.layout.rank_and_size(kind, role)  # type: ignore[arg-type]
             spec = GroupSpec(
                 name=f"standin.{kind}",
                 kind=kind,  # type: ignore[arg-type]

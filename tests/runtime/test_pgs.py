@@ -16,6 +16,7 @@ from trainmover.runtime.groups import GroupTable
 from trainmover.runtime.layout import Layout, Role
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.sandbox import SandboxGroup, SandboxStats
+from trainmover.runtime.standard import StandardTorch
 
 LAYOUT = Layout(tp=2, pp=1, dp=2)
 ROLE = Role(dp=1, pp=0, tp=1)
@@ -24,11 +25,7 @@ ROLE = Role(dp=1, pp=0, tp=1)
 def sandboxed(layout: Layout, role: Role, stats: SandboxStats) -> GroupTable:
     table = GroupTable()
     for kind in (*layout.role_group_kinds, "world"):
-        if kind == "world":
-            size, rank = layout.world_size, layout.global_rank(role)
-        else:
-            members = layout.group_members(kind, role)  # type: ignore[arg-type]
-            size, rank = len(members), members.index(role)
+        rank, size = layout.rank_and_size(kind, role)  # type: ignore[arg-type]
         spec = GroupSpec(
             name=f"x.{kind}",
             kind=kind,  # type: ignore[arg-type]
@@ -160,3 +157,31 @@ def test_a_mesh_the_script_builds_itself_is_refused_naming_the_runtimes(hsdp):
 def test_a_dp_group_is_refused_where_the_dp_ranks_shard_and_replicate(hsdp):
     with pytest.raises(ValueError, match="no process group of kind 'dp' in layout 2x1x4s2"):
         hsdp.get("dp")
+
+
+def test_a_live_hsdp_ranks_world_collectives_go_to_the_world_group(monkeypatch):
+    """A TP x HSDP role has no "dp" group: once its groups are installed, its default
+    group forwards to the real world group, never to the joiner's sandboxed stand-in."""
+    for name in P.TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    stats = SandboxStats()
+    table = sandboxed(HSDP, HSDP_ROLE, stats)  # stands for the live groups here
+
+    class World:
+        def current(self) -> object:
+            return table["world"]
+
+        def close(self) -> None:
+            return None
+
+    live = StandardTorch(HSDP, table, lambda: None)
+    live.new_world = lambda role: World()  # type: ignore[assignment,return-value]
+    try:
+        live.take_role(HSDP_ROLE, "127.0.0.1:29400")
+        assert live.live is not None
+        dist.all_reduce(torch.ones(2), group=live.live.world())
+        assert stats.synthesized == 1  # answered by the world group, not a stand-in
+    finally:
+        live.close()
+        if live.live is not None:
+            live.live.close()
