@@ -111,6 +111,8 @@ def sample_state(job: str, machines: int = 4, standbys: int = 1) -> ClusterState
 
 
 async def register_job(nc: NatsClient, job: str, state: ClusterState | None = None) -> None:
-    """Creates the job's bus resources and writes its cluster state, as the planner does."""
+    """Creates the job's bus resources and writes its cluster state, as the planner does
+    (on a cluster, the new bucket's stream may still be electing its leader)."""
     kv = await bus.ensure_job(nc.jetstream(), job)
-    await kv.put(STATE_KEY, (state or sample_state(job)).to_json())
+    value = (state or sample_state(job)).to_json()
+    await bus.through_failover(lambda: kv.put(STATE_KEY, value), f"cluster state of {job}")
