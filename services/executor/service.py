@@ -236,9 +236,9 @@ class ExecutorService:
     # --- plans the planner withdrew ----------------------------------------------------
 
     async def _settle(self, plan_id: str, machine: str) -> None:
-        """Returns once the planner has declared `machine` failed or dropped the plan, or
-        after the grace. A recovery that takes the plan over withdraws it, and
-        `_follow_state` then cancels the waiting migration."""
+        """Returns once the planner has declared `machine` failed, or after the grace. A
+        recovery that takes the plan over withdraws it: then this never returns, and
+        `_follow_state` cancels the waiting migration."""
 
         def acted() -> bool:
             state = self._last_state
@@ -261,6 +261,12 @@ class ExecutorService:
                     machine=machine,
                     grace_s=self.failure_grace_s,
                 )
+        state = self._last_state
+        if state is not None and plan_id not in state.in_flight:
+            # Withdrawn: `_follow_state` cancels this migration right after waking us; it
+            # must publish nothing more (a "failed" would end the event a newer plan
+            # carries on).
+            await asyncio.Future()
 
     async def _current_in_flight(self) -> set[str] | None:
         state_kv = await bus.job_bucket(self._js, self.job)

@@ -99,9 +99,9 @@ async def test_a_plan_redelivered_after_its_migration_ended_is_not_run_again(
 async def test_a_death_heard_first_is_left_to_the_planner_until_it_withdraws_the_plan(
     nc, job, executor
 ) -> None:
-    """A migration told of its leaver's death (a `WorkerDied` reply) settles as soon as
-    the planner's state no longer holds its plan (a recovery took it over), well inside
-    the grace."""
+    """A migration told of its leaver's death (a `WorkerDied` reply) waits for the
+    planner; once the planner's state no longer holds its plan (a recovery took it over)
+    it never goes on to report the plan failed: the withdrawal cancels it."""
     plan, state = _plan(job, "m0")
     await register_job(nc, job, state)
     executor.failure_grace_s = 60.0
@@ -110,7 +110,15 @@ async def test_a_death_heard_first_is_left_to_the_planner_until_it_withdraws_the
     withdrawn = state.model_copy(update={"in_flight": {}})
     kv = await bus.job_bucket(nc.jetstream(), job)
     await kv.put(STATE_KEY, withdrawn.to_json())
-    await asyncio.wait_for(settling, 30)
+
+    def seen() -> bool:
+        return executor._last_state is not None and not executor._last_state.in_flight
+
+    async with executor._state_changed:
+        await asyncio.wait_for(executor._state_changed.wait_for(seen), 30)
+    done, _ = await asyncio.wait({settling}, timeout=1.0)
+    assert not done  # held for the withdrawal's cancel, not returning to fail the plan
+    settling.cancel()
 
 
 async def test_a_death_no_recovery_follows_fails_after_the_grace(nc, job, executor) -> None:
