@@ -216,10 +216,8 @@ class Runtime:
         return self.torch.process_group(kind)
 
     def device_mesh(self) -> DeviceMesh:
-        """A `DeviceMesh` of the job's layout for FSDP2, DTensor and pipelining: dimensions
-        "pp", "dp_replicate", "dp_shard", "tp" (outermost first, those of size 1 left
-        out), each over this role's group of that dimension, so a migration swaps exactly
-        the groups of its delta under it (inside a shadow step: the sandbox's groups)."""
+        """The job layout's `DeviceMesh` over this role's groups (FSDP2, DTensor):
+        `trainmover.runtime.pgs.ProcessGroups.device_mesh`."""
         return self.torch.device_mesh(self.device.type)
 
     def track(
@@ -404,21 +402,18 @@ class Runtime:
         process) and reports the exit."""
         self._votes.close()
         self.groups.shutdown()
-        # Not waited for: a build abandoned in a rendezvous with a dead member ends only
-        # at its timeout (a leaver whose first joiner died would hold its release, and
-        # its machine's return to the pool, that long). The process ends without
-        # interpreter teardown instead (below), where its return could not abort it.
+        # Not waited for: a build abandoned in a rendezvous with a dead member ends only at
+        # its timeout, holding a leaver's release that long; the process ends without
+        # interpreter teardown instead (below), where its return cannot abort it.
         builders = self._core.builders
         running = sum(1 for b in builders if b.discarded and not b.done)
         if running:
             self.log.info("abandoned_build_still_running", builds=running)
         troubled = sum(1 for b in builders if b.troubled)
         if troubled or self._recovery.count:
-            # Even once it ended, an abandoned or failed gloo rendezvous, or a group whose
-            # peer died in a collective (repaired, then retired), can leave C++ threads
-            # that interpreter teardown destroys joinable: the process then aborts
-            # ("terminate called without an active exception", SIGABRT) after a clean
-            # exit, and its supervisor reports a crash. Such a process ends without it.
+            # An abandoned or failed gloo rendezvous, or a group whose peer died in a
+            # collective, can leave C++ threads that interpreter teardown destroys
+            # joinable: SIGABRT after a clean exit, reported as a crash. Skip teardown.
             self.log.info(
                 "exit_without_teardown", troubled_builds=troubled, recoveries=self._recovery.count
             )
