@@ -105,17 +105,15 @@ class StandardTorch:
         (unsharded parameters, collectives in flight, hooks' training states) is reset
         on each root FSDP module, as after any exception mid forward or backward, so the
         re-executed step all-gathers and reduces exactly as on a fresh joiner."""
-        states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+        fsdp = [(m, m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)]
         with c10d.discarding():
-            for module, state in zip(
-                [m for m in model.modules() if isinstance(m, FSDPModule)], states, strict=True
-            ):
+            for module, state in fsdp:
                 if state._is_root:
                     module.reset_iter_state()
         # The reset leaves the gradients that a layer's backward wrote before its
         # reduce-scatter failed on the unsharded parameters (torch 2.13): the
         # re-executed backward would add to them.
-        for state in states:
+        for _, state in fsdp:
             for param_group in state._fsdp_param_groups:
                 for param in param_group.fsdp_params:
                     param.unsharded_accumulated_grad = None

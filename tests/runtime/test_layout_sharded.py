@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from trainmover.messages import ClusterState, FailureEvent, MachineState
 from trainmover.runtime.layout import Layout, MachineRole, Role
 from trainmover.runtime.plan import compute_delta
-from trainmover.services.planner.decisions import Planner
+from trainmover.services.planner.decisions import Outcome, Planner
 
 HSDP = Layout(tp=2, pp=1, dp=4, dp_shard=2)
 
@@ -73,22 +73,20 @@ def _state(layout: Layout) -> ClusterState:
     return ClusterState(job="j", layout=layout, machines=machines)
 
 
+def _m1_fails(layout: Layout) -> Outcome:
+    """The planner's answer to m1's failure in a job of `layout` with one warm standby."""
+    failure = FailureEvent(job="j", machine="m1", source="heartbeat")
+    return Planner(straggler_cooldown_s=60).on_event(_state(layout), failure, 0.0)
+
+
 def test_a_failed_shard_recovers_from_the_replica_of_its_own_shard() -> None:
-    out = Planner(straggler_cooldown_s=60).on_event(
-        _state(Layout(dp=4, dp_shard=2)),
-        FailureEvent(job="j", machine="m1", source="heartbeat"),
-        0.0,
-    )
+    out = _m1_fails(Layout(dp=4, dp_shard=2))
     (plan,) = out.plans
     assert plan.restore == "transfer" and plan.state_sources == {"m1": "m3"}
 
 
 def test_pure_fsdp_has_no_replica_and_falls_back_to_the_checkpoint() -> None:
-    out = Planner(straggler_cooldown_s=60).on_event(
-        _state(Layout(dp=2, dp_shard=2)),
-        FailureEvent(job="j", machine="m1", source="heartbeat"),
-        0.0,
-    )
+    out = _m1_fails(Layout(dp=2, dp_shard=2))
     (plan,) = out.plans
     assert plan.restore == "checkpoint" and plan.migration == "checkpoint_restart"
     (fallback,) = [p for p in out.progress if p.state == "fallback"]
