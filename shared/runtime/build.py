@@ -94,11 +94,14 @@ class GroupBuilder:
     """Builds a list of groups in a background thread (phase 1 of the switch).
 
     The specs are built in the order given, which callers take from
-    `Plan.specs_for` (a global order, so no two ranks wait on each other)."""
+    `Plan.specs_for` (a global order, so no two ranks wait on each other). `connect`
+    opens the store client on the build's own thread: while the store fails over it
+    blocks until a replica serves, and the caller (holding the rank's lock, that the
+    training thread takes at every step) must not wait for that."""
 
     specs: list[GroupSpec]
     me: RankRef
-    store: dist.Store
+    connect: Callable[[], dist.Store]
     job: str
     device: torch.device
     timeout_s: float
@@ -119,12 +122,15 @@ class GroupBuilder:
 
     def _run(self) -> None:
         try:
+            store: dist.Store | None = None
             for spec in self.specs:
+                if store is None:
+                    store = self.connect()
                 self.built.append(
                     build_group(
                         spec,
                         self.me,
-                        self.store,
+                        store,
                         self.job,
                         self.device,
                         self.timeout_s,

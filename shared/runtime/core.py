@@ -92,7 +92,7 @@ class Core:
         builder = GroupBuilder(
             specs,
             self.me,
-            self.store().raw(),
+            self.store().raw,
             self.config.job,
             self.device,
             self.timeout_s,

@@ -64,7 +64,7 @@ def test_table_swap_replaces_only_the_named_kinds(store):
 
 def test_background_builder_overlaps_with_other_work(store):
     s = spec("dp.y", 0, A, B, kind="dp")
-    builder = GroupBuilder([s], A, client(store), "j", CPU, 10).start()
+    builder = GroupBuilder([s], A, lambda: client(store), "j", CPU, 10).start()
     assert not builder.done  # waits for B, while this thread keeps working
     other = build_group(s, B, client(store), "j", CPU, 10)
     (mine,) = builder.wait(10)
@@ -74,12 +74,31 @@ def test_background_builder_overlaps_with_other_work(store):
     assert t.tolist() == [2.0, 2.0]
 
 
+def test_the_builder_connects_to_the_store_on_its_own_thread(store):
+    """A store failing over holds whoever connects until a replica serves: the caller
+    starting a build (holding the rank's lock) never waits for it."""
+    serving, connected_on = threading.Event(), []
+
+    def connect():
+        connected_on.append(threading.get_ident())
+        serving.wait(30)
+        return client(store)
+
+    builder = GroupBuilder([spec("tp.c", 0, A, kind="tp")], A, connect, "j", CPU, 10).start()
+    assert not builder.done  # still connecting, and this thread goes on
+    serving.set()
+    (group,) = builder.wait(10)
+    assert connected_on and connected_on[0] != threading.get_ident()
+    assert group.spec.name == "tp.c"
+    group.shutdown()
+
+
 def test_an_abandoned_build_stops_the_wait_and_shuts_its_groups_down(store):
     """A member that never comes (a failed machine): the caller gives up once told to,
     long before the group timeout, and what the builder still finishes is shut down."""
     alone = spec("tp.z", 0, A, kind="tp")
     never = spec("pp.z", 0, A, C)
-    builder = GroupBuilder([alone, never], A, client(store), "j", CPU, 5).start()
+    builder = GroupBuilder([alone, never], A, lambda: client(store), "j", CPU, 5).start()
     superseded = threading.Event()
     threading.Timer(0.3, superseded.set).start()
     with pytest.raises(BuildAbandoned):

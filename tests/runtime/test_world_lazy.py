@@ -41,7 +41,7 @@ class Ranks:
 
         def build(specs: list[GroupSpec], name: str) -> GroupBuilder:
             return GroupBuilder(
-                specs, me, self._client().raw(), "job", CPU, timeout_s, signal
+                specs, me, self._client().raw, "job", CPU, timeout_s, signal
             ).start()
 
         return LazyWorld(
