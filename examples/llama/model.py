@@ -4,9 +4,9 @@ RMSNorm before attention and before the feed-forward, rotary position embeddings
 (applied in real arithmetic: a cos/sin table, so no complex tensors travel), causal
 multi-head attention through `scaled_dot_product_attention`, a SwiGLU feed-forward, and
 tied or untied input/output embeddings. Layers sit in a `ModuleDict` keyed by their
-index (so a pipeline stage could keep the global names of the layers it holds);
-attention reads its local number of heads from its projections, so a tensor-parallel
-rank that holds a slice of the heads runs the same code.
+index, so a pipeline stage keeps the global names of the layers it holds
+(`pipeline_stage`); attention reads its local number of heads from its projections, so
+a tensor-parallel rank that holds a slice of the heads runs the same code.
 """
 
 from __future__ import annotations
@@ -121,7 +121,30 @@ class Transformer(nn.Module):
             nn.init.normal_(p, std=std * scale)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        """Token ids to logits; a pipeline stage without the embeddings takes hidden
+        states, and one without the output returns them."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h
+
+
+def pipeline_stage(model: Transformer, stage: int, stages: int) -> Transformer:
+    """`model` cut down to pipeline stage `stage` of `stages`, in place: an even share
+    of the blocks, the embeddings only on the first stage, the final norm and the output
+    only on the last (torchtitan's manual split)."""
+    if model.args.tie_embeddings and stages > 1:
+        raise ValueError("tied embeddings live on the first and the last stage: untie them")
+    n = model.args.n_layers
+    if n < stages:
+        raise ValueError(f"{n} layers cannot fill {stages} pipeline stages")
+    keep = range(stage * n // stages, (stage + 1) * n // stages)
+    for name in list(model.layers):
+        if int(name) not in keep:
+            del model.layers[name]
+    if stage > 0:
+        model.tok_embeddings = None  # type: ignore[assignment]
+    if stage < stages - 1:
+        model.norm = None  # type: ignore[assignment]
+        model.output = None  # type: ignore[assignment]
+    return model

@@ -48,20 +48,20 @@ def main() -> int:
     with Runtime.from_env() as rt:
         s = settings_from_job(rt.config)
 
-        def shadow(role: Role, groups: GroupTable) -> Callable[[], float]:
-            model, optimizer, data = build(s, rt.device_mesh(), rt.device)  # in the sandbox
-            return lambda: train_step(model, optimizer, data, s)
+        def shadow(role: Role, groups: GroupTable) -> Callable[[], float | None]:
+            t = build(s, rt.device_mesh(), rt.device)  # in the sandbox
+            return lambda: train_step(t, s)
 
         if rt.wait_for_role(shadow=shadow) is None:
             return 0  # a standby released without being needed
         dist.init_process_group()
-        model, optimizer, data = build(s, rt.device_mesh(), rt.device)
-        rt.track(model, optimizer, stateful={"data": data})
+        t = build(s, rt.device_mesh(), rt.device)
+        rt.track(t.model, t.optimizer, stateful={"data": t.data})
         for step in rt.steps():
             with rt.attempt():
-                loss = train_step(model, optimizer, data, s)
+                loss = train_step(t, s)
                 rt.report(loss=loss)
-            if dist.get_rank() == 0:
+            if t.reports_loss and loss is not None:
                 print(f"step {step} loss {loss:.6f}", flush=True)
     return 0
 

@@ -203,6 +203,8 @@ class SwappableGroup(dist.ProcessGroup):
     def _p2p(self, call: str, start: Callable[[Any], Any], peer: int, received: Any = None) -> Any:
         group = self._group(call)
         pending = group.post_p2p(call, lambda: start(group.backend), peer)
+        if call == "recv":
+            fault.point("pp-recv")  # test-only: a machine dies mid pipeline exchange
         return RuntimeWork(group, pending.work, pending=pending, received=received)
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:

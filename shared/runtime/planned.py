@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from trainmover.runtime import control as c
+from trainmover.runtime import pipelines
 from trainmover.runtime.abort import StepAborted
 from trainmover.runtime.acceptance import Planned
 from trainmover.runtime.build import GroupBuilder
@@ -186,9 +187,8 @@ class PlannedSwitch:
             transfer = transfer_group(built)
             core.log.info("transferring", plan_id=mig.plan.plan_id, peak_rss_mib=peak_rss_mib())
             rt = core.config.runtime
-            stats = core.state.send(
-                transfer, 1, {"epoch": core.signal.epoch}, rt.chunk_bytes, rt.transfer_checksum
-            )
+            extra = {"epoch": core.signal.epoch, "pp_shapes": pipelines.describe()}
+            stats = core.state.send(transfer, 1, extra, rt.chunk_bytes, rt.transfer_checksum)
             transfer.shutdown()
             closed = [str(g["name"]) for g in core.groups.snapshot().values()]
             core.groups.shutdown()
@@ -267,7 +267,8 @@ class PlannedSwitch:
             raise RuntimeError(f"leaver sent step {core.state.step}, commit was {mig.commit_step}")
         role_groups = [g for g in built if g.spec.kind != "transfer"]
         core.groups.install(role_groups)
-        core.torch.installed([g.spec.kind for g in role_groups])
+        shapes = str(stats.extra.get("pp_shapes", ""))
+        core.torch.installed([g.spec.kind for g in role_groups], shapes=shapes)
         self._new_epoch(str(stats.extra.get("epoch", "e0")), core.state.step)
         self._finish(
             mig,

@@ -154,7 +154,7 @@ class FailureRecovery:
                 core.replica_state_at = state.step
         # Shutting down never blocks, even with an abandoned work in a replaced group.
         retire(core.groups.install(built))
-        core.torch.installed([g.spec.kind for g in built])
+        core.torch.installed([g.spec.kind for g in built], recovery=True)
         retire(pairs)
         self._new_epoch(plan.plan_id, state.step)
         with core.cond:

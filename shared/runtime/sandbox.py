@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from trainmover.runtime import pipelines
 from trainmover.runtime.c10d import completed_work
 from trainmover.runtime.groups import Group
 from trainmover.runtime.layout import GroupKind, Layout, Role
@@ -83,7 +84,8 @@ def record_key(role_type: str) -> str:
 
 
 class Recorder:
-    """Taps a live rank's pipeline group during one step and stores what it received."""
+    """Taps a live rank's pipeline group during one step and stores what it received,
+    and the shapes its pipeline stages settled on (`trainmover.runtime.pipelines`)."""
 
     def __init__(self) -> None:
         self.received: dict[int, torch.Tensor] = {}
@@ -95,7 +97,10 @@ class Recorder:
         buf = io.BytesIO()
         torch.save(self.received, buf)
         store.put(record_key(role_type), buf.getvalue())
-        return buf.getbuffer().nbytes
+        shapes = pipelines.describe().encode()
+        if shapes:
+            store.put(shapes_key(role_type), shapes)
+        return buf.getbuffer().nbytes + len(shapes)
 
 
 def load_record(store: RecordStore, role_type: str) -> dict[int, torch.Tensor]:
@@ -103,6 +108,16 @@ def load_record(store: RecordStore, role_type: str) -> dict[int, torch.Tensor]:
     if data is None:
         return {}
     return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def shapes_key(role_type: str) -> str:
+    """Where a live rank's pipeline stage shapes are recorded (`pipelines.describe`)."""
+    return f"{role_type}.pp-shapes.json"
+
+
+def load_shapes(store: RecordStore, role_type: str) -> str:
+    data = store.get(shapes_key(role_type))
+    return data.decode() if data else ""
 
 
 class _Done:
@@ -192,14 +207,20 @@ class LocalBackend:
 
     def receive(self, tensor: torch.Tensor, tag: int) -> None:
         """A receive, replayed from the recording when it has the tag with this shape,
-        else synthesised (seeded standard normal)."""
+        else synthesised (seeded standard normal). An integer receive is a pipeline
+        schedule's warm-up vote: ones, "every stage knows its shapes"
+        (`trainmover.runtime.pipelines`)."""
         recorded = self._record.get(tag)
-        if recorded is not None and recorded.shape == tensor.shape:
-            self._stats.replayed += 1
-            tensor.copy_(recorded)
-        else:
-            self._stats.synthesized += 1
-            tensor.copy_(torch.randn(tensor.shape, generator=self._gen))
+        with torch.no_grad():  # a pipeline's receive buffer may require grad, as in c10d
+            if not tensor.is_floating_point():
+                self._stats.synthesized += 1
+                tensor.fill_(1)
+            elif recorded is not None and recorded.shape == tensor.shape:
+                self._stats.replayed += 1
+                tensor.copy_(recorded)
+            else:
+                self._stats.synthesized += 1
+                tensor.copy_(torch.randn(tensor.shape, generator=self._gen))
 
     def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
         for t in tensors:

@@ -29,6 +29,7 @@ from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from trainmover.runtime import control as c
+from trainmover.runtime import pipelines
 from trainmover.runtime.groups import GroupTable
 from trainmover.runtime.layout import Layout, Role
 from trainmover.runtime.pgs import ProcessGroups, activated
@@ -39,6 +40,7 @@ from trainmover.runtime.sandbox import (
     SandboxGroup,
     SandboxStats,
     load_record,
+    load_shapes,
     local_tp_group,
     sandbox_specs,
     seed_for,
@@ -177,7 +179,7 @@ def _shadow_role(
     c10d = ProcessGroups(layout, role, groups.get, dist.HashStore(), f"{specs['world'].name}/")
     times = []
     try:
-        with activated(c10d, default=True):
+        with activated(c10d, default=True), pipelines.lending(load_shapes(records, role_type)):
             step = shadow(role, groups)
             for _ in range(iterations):
                 started = time.perf_counter()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from trainmover.runtime import c10d, pgs
+from trainmover.runtime import c10d, pgs, pipelines
 from trainmover.runtime.groups import Group, GroupTable
 from trainmover.runtime.layout import Layout, Role
 from trainmover.runtime.plan import GroupSpec, RankRef
@@ -51,6 +51,7 @@ class StandardTorch:
         self.world: LazyWorld | None = None
         self.new_world: Callable[[Role], LazyWorld] | None = None
         pgs.install_hooks()
+        pipelines.install()
 
     def take_role(self, role: Role, store_address: str) -> None:
         """The rank has a role: torchrun's environment, and its c10d groups go live."""
@@ -120,15 +121,22 @@ class StandardTorch:
                     if hasattr(param, "_unsharded_param"):
                         param._unsharded_param.grad = None
 
-    def installed(self, kinds: list[str]) -> None:
-        """After a switch installed new groups of `kinds`: every DDP over one of them is
-        realigned (all its members do this at the same boundary), and the world group,
-        whose members changed, is dropped (the next world collective builds it)."""
+    def installed(self, kinds: list[str], recovery: bool = False, shapes: str = "") -> None:
+        """After a switch or a `recovery` installed new groups of `kinds`: every DDP over
+        one of them is realigned (all its members do this at the same boundary), the
+        world group, whose members changed, is dropped (the next world collective builds
+        it), and the pipeline schedules restart where every member of their pipeline
+        does (`trainmover.runtime.pipelines`; a joiner's stages take the leaver's
+        `shapes`)."""
         if self.world is not None:
             self.world.drop()
         for model, kind in self._ddp:
             if kind in kinds:
                 pgs.realign(model)  # type: ignore[arg-type]
+        if recovery:
+            pipelines.restart(pinned=False)
+        elif "pp" in kinds:
+            pipelines.restart(pinned=True, lent=shapes)
 
     def c10d_failed(self) -> bool:
         """A c10d work of one of the rank's groups failed (reported through the abort
@@ -140,3 +148,4 @@ class StandardTorch:
         if self.world is not None:
             self.world.close()
         pgs.remove_hooks()
+        pipelines.remove()

@@ -8,8 +8,9 @@ reduce-scatter is in flight: every survivor discards the step (FSDP2's per-itera
 state reset), and m1's joiner gets its shard from m3, the replica of the same shard.
 With tensor parallelism (TP2) and pure FSDP at DP=2, a planned move hands over the
 shards of DTensor-parallel weights, and a failure, with no replica, falls back to the
-last checkpoint. Every run dumps every role's full state at the last step; the moved
-runs must be bit-identical to the uninterrupted ones.
+last checkpoint. With pipeline parallelism (PP2 x FSDP2, 1F1B), a leaver in each stage
+and a failure in a pipeline receive. Every run dumps every role's full state at the
+last step; the moved runs must be bit-identical to the uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -124,3 +125,42 @@ def test_tp_with_pure_fsdp_moves_and_falls_back_to_the_checkpoint_bit_identicall
 
 def test_the_docs_show_exactly_the_examples_diff():
     assert_docs_show_the_diff(train, train_trainmover)
+
+
+# -- pipeline parallelism ----------------------------------------------------------------
+
+PP = HSDP.with_updates(
+    layout={"tp": 1, "pp": 2, "dp": 2, "dp_shard": 2},
+    runtime={"checkpoint_every": 2},
+)
+PP_FAULT = ("m2", 7, "pp-recv")
+
+
+def test_a_pipeline_with_a_leaver_in_each_stage_ends_bit_identical(tmp_path: Path) -> None:
+    """PP2 x FSDP2 (1F1B, two micro-batches): a planned move out of stage 0 (m0), then
+    out of stage 1 (m3, the other pipeline); the joiner's fresh schedule and its stayers'
+    redo the first-step handshake together. Then m2 dies in a pipeline receive: pure FSDP
+    has no replica, so every rank reloads the last checkpoint and restarts its schedule."""
+    reference = _reference(PP, tmp_path / "ref")
+    machine, step, point = PP_FAULT
+    with LocalJob.launch(
+        PP, tmp_path / "moved", standbys=3, entry=ENTRY, timeout_s=WAIT_S, limit=2,
+        extra_env={"TM_TEST_FAULT": f"{machine}@{step}:{point}"},
+    ) as job:  # fmt: skip
+        job.wait_step(2)
+        warmed = job.warm(timeout_s=WAIT_S)  # the stage's shapes recorded at step 1
+        job.set_limit(PLANNED_AT)
+        assert job.migrate({"m0": "s0"}, at_step=PLANNED_AT).commit_step == PLANNED_AT
+        job.set_limit(PLANNED_AT + 2)
+        assert job.migrate({"m3": "s1"}, at_step=PLANNED_AT + 2).commit_step == PLANNED_AT + 2
+        job.set_limit(STEPS)
+        dead, noticed = job.wait_failure(timeout_s=WAIT_S)
+        recovery = job.recover(dead, detected_at=noticed, timeout_s=WAIT_S)
+        assert dead == machine and recovery.plan.restore == "checkpoint"
+        job.finish(timeout_s=WAIT_S)
+        moved = Run(tmp_path / "moved", job.losses(), steps=STEPS)
+    for answer in warmed.values():
+        # The warm-up vote and the stage's activations and gradients, answered locally.
+        assert answer.error == "" and answer.synthesized + answer.replayed >= 2
+    roles = [f"d{d}p{p}t0" for d in range(2) for p in range(2)]
+    assert_bit_identical(moved, reference, roles)
