@@ -9,6 +9,7 @@ for it):
     {job}/progress/{rank} = {"m": machine, "l": local rank, "e": epoch,
                              "s": step in flight, "v": last step voted,
                              "w": waiting in a collective, "o": the ranks it waits on,
+                             "q": the training thread's seconds waiting for a CPU,
                              "n": a counter that grows with every write}
 
 A rank that has waited longer than `threshold` (a few times the recent median step,
@@ -23,6 +24,9 @@ A rank that has not voted for k is
   from the store): a culprit;
 - *computing* when it is not waiting in a collective (spinning outside any collective,
   stuck in its own code) and past its first step of the epoch: a culprit;
+- *starved* when it would be computing but its training thread spent most of the time
+  between the two reads runnable and waiting for a CPU (an overloaded host, not a hung
+  rank): not named; the judgement comes again at the next threshold;
 - *blocked* when it waits in a collective on ranks that have all voted for k (they
   left the step; nobody will ever answer it: a deadlocked worker, or its side of the
   link lost the data): a culprit;
@@ -44,13 +48,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainmover.runtime.control import StallEvent
-from trainmover.runtime.steptime import WAITS
+from trainmover.runtime.steptime import WAITS, SchedStat
 from trainmover.runtime.storeclient import Store
 
 #: How often each rank rewrites its entry on the board.
 INTERVAL_S = 0.25
 #: Steps a rank must have timed before it judges others.
 MIN_HISTORY = 3
+#: The share of the time between the two reads that a rank not waiting in a collective
+#: spent waiting for a CPU, from which it is starved rather than computing.
+STARVED = 0.5
 
 
 @dataclass
@@ -79,6 +86,8 @@ class Entry:
     local_rank: int = 0
     #: The ranks ("machine/local_rank") its wait waits on; empty when none is named.
     on: tuple[str, ...] = ()
+    #: Seconds its training thread has waited for a CPU (a monotonic total).
+    queued: float = 0.0
 
     @property
     def ref(self) -> str:
@@ -101,6 +110,7 @@ class Entry:
                 int(d["f"]),
                 int(d.get("l", 0)),
                 tuple(str(r) for r in d.get("o", ())),
+                float(d.get("q", 0.0)),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -111,10 +121,11 @@ def judge(
     step: int,
     first: dict[int, Entry | None],
     second: dict[int, Entry | None],
+    between_s: float = 0.0,
 ) -> tuple[dict[str, list[int]], dict[int, str]]:
     """Pure: culprit machine -> ranks, and rank -> what each rank that has not voted for
-    `step` in `epoch` is doing ("silent", "computing", "blocked", "waiting"), from two
-    reads."""
+    `step` in `epoch` is doing ("silent", "computing", "starved", "blocked", "waiting"),
+    from two reads `between_s` apart."""
     culprits: dict[str, list[int]] = {}
     doing: dict[int, str] = {}
     voted = {e.ref for e in second.values() if e is not None and e.voted_for(epoch, step)}
@@ -127,7 +138,10 @@ def judge(
         if before is not None and before.counter == now.counter:
             doing[rank] = "silent"
         elif not now.waiting and now.done > 0:
-            doing[rank] = "computing"
+            starved = before is not None and now.queued - before.queued >= STARVED * between_s
+            doing[rank] = "starved" if starved and between_s > 0 else "computing"
+            if doing[rank] == "starved":
+                continue
         elif now.waiting and now.on and set(now.on) <= voted and before and before.on == now.on:
             doing[rank] = "blocked"  # the same wait in both reads, on ranks that left
         else:
@@ -157,6 +171,7 @@ class ProgressBoard:
         self.interval_s = interval_s
         self.progress = Progress()
         self._training_thread = threading.get_ident()
+        self._training_sched = SchedStat(threading.get_native_id())
         # Entries are rewritten, never re-cast: each rank's next beat fills a new replica.
         self._store = Store(store_address, timeout_s, recast=False)
         #: When the store last moved to another replica (monotonic).
@@ -202,6 +217,7 @@ class ProgressBoard:
                 "v": p.voted,
                 "w": WAITS.is_waiting(self._training_thread),
                 "o": WAITS.waiting_on(self._training_thread),
+                "q": round(self._training_sched.run_queue_s(), 4),
                 "n": self._counter,
                 "f": p.done,
             }
@@ -234,10 +250,12 @@ class ProgressBoard:
         first: dict[int, Entry | None],
         waited_s: float,
         median_step_s: float,
+        first_age_s: float = 0.0,
     ) -> StallEvent | None:
         """Reads the board again and names the culprits of (epoch, step), if any, from
-        this read and `first` (an earlier one, at least two beacon intervals ago)."""
-        culprits, doing = judge(epoch, step, first, self.read())
+        this read and `first` (an earlier one, `first_age_s` ago: at least two beacon
+        intervals)."""
+        culprits, doing = judge(epoch, step, first, self.read(), first_age_s)
         if not culprits:
             return None
         parts = []
@@ -315,7 +333,12 @@ class StallWatch:
             if waited_s >= due and time.monotonic() - pending.read_at >= lead:
                 self._pending = None
                 stall = self.board.examine(
-                    epoch, step, pending.first, waited_s, self.median_step_s()
+                    epoch,
+                    step,
+                    pending.first,
+                    waited_s,
+                    self.median_step_s(),
+                    time.monotonic() - pending.read_at,
                 )
                 if stall is not None:
                     self.report(stall)

@@ -52,6 +52,22 @@ def test_judge_names_frozen_and_computing_ranks_not_their_victims() -> None:
     assert judge("e1", 8, done, done) == ({}, {})
 
 
+def test_a_rank_starved_of_cpu_is_not_named_one_spinning_is() -> None:
+    """Two ranks outside any collective for the whole judgement; one of them waited for a
+    CPU most of the time between the reads (an overloaded host), the other ran."""
+
+    def at(machine: str, n: int, queued: float) -> Entry:
+        return Entry(machine, "e1", 8, 7, False, n, 3, queued=queued)
+
+    first = {0: at("m0", 1, 10.0), 1: at("m1", 1, 10.0)}
+    second = {0: at("m0", 3, 10.4), 1: at("m1", 3, 10.01)}
+    culprits, doing = judge("e1", 8, first, second, between_s=0.5)
+    assert culprits == {"m1": [1]}
+    assert doing == {0: "starved", 1: "computing"}
+    # Without the time between the reads, nothing tells starved from computing.
+    assert judge("e1", 8, first, second)[0] == {"m0": [0], "m1": [1]}
+
+
 def test_a_rank_waiting_on_peers_that_left_the_step_is_blocked_not_a_victim() -> None:
     def at(machine: str, local: int, voted: int, n: int, on: tuple[str, ...] = ()) -> Entry:
         return Entry(machine, "e1", 8, voted, bool(on) or voted >= 8, n, 3, local, on)
@@ -108,7 +124,7 @@ class _ScriptedBoard:
         self.reads += 1
         return {}
 
-    def examine(self, epoch, step, first, waited_s, median_step_s):  # type: ignore[no-untyped-def]
+    def examine(self, epoch, step, first, waited_s, median_step_s, first_age_s):  # type: ignore[no-untyped-def]
         self.examined.append(waited_s)
         return None
 
