@@ -101,11 +101,13 @@ class WaitClock(threading.local):
 
     @contextmanager
     def waiting(self, on: tuple[str, ...] = ()) -> Iterator[None]:
-        """Counts the enclosed block as waiting (also when it raises); `on` names the
-        ranks a group wait waits on (the progress board tells who holds whom)."""
+        """Counts the enclosed block as waiting (also when it raises), once however
+        deeply waits nest; `on` names the ranks a group wait waits on (the progress board
+        tells who holds whom)."""
         started, queued = time.perf_counter(), run_queue_s()
         me = threading.get_ident()
-        _INSIDE[me] = _INSIDE.get(me, 0) + 1
+        depth = _INSIDE.get(me, 0)
+        _INSIDE[me] = depth + 1
         outer = _ON.get(me, ())
         _ON[me] = on
         try:
@@ -113,8 +115,9 @@ class WaitClock(threading.local):
         finally:
             _INSIDE[me] -= 1
             _ON[me] = outer
-            self.waited_s += time.perf_counter() - started
-            self.queued_s += run_queue_s() - queued
+            if depth == 0:  # an inner wait's time is part of this one's
+                self.waited_s += time.perf_counter() - started
+                self.queued_s += run_queue_s() - queued
 
     @staticmethod
     def is_waiting(thread_id: int) -> bool:

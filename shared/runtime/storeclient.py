@@ -375,20 +375,22 @@ class Store:
         first: Callable[[dist.TCPStore, int], T] | None = None,
     ) -> tuple[T, int]:
         """`op` on the serving replica, retried on the next one when it is lost;
-        `first(client, generation)` instead of `op` on the first attempt."""
+        `first(client, generation)` instead of `op` on the first attempt. The whole of it
+        is waiting on the store, never computing (the progress board): a replica just
+        promoted answers a burst of reconnecting ranks seconds late."""
         deadline = self._deadline()
         attempt = 0
-        while True:
-            client, generation = self._connected(deadline)
-            try:
-                if attempt == 0 and first is not None:
-                    return first(client, generation), generation
-                return op(client), generation
-            except dist.DistNetworkError:
-                self._tcp = None
-                with WAITS.waiting():  # for the store's takeover: not computing
+        with WAITS.waiting():
+            while True:
+                client, generation = self._connected(deadline)
+                try:
+                    if attempt == 0 and first is not None:
+                        return first(client, generation), generation
+                    return op(client), generation
+                except dist.DistNetworkError:
+                    self._tcp = None
                     self.share.lost(generation, deadline)
-            attempt += 1
+                attempt += 1
 
     def _fact(self, key: str, value: bytes, generation: int) -> bytes:
         if self._recast:

@@ -35,6 +35,15 @@ def test_waiting_is_left_out_and_sleeping_outside_waits_counts() -> None:
     assert 0.2 <= step.compute_s < step.seconds - 0.2 + 1e-6
 
 
+def test_nested_waits_count_once() -> None:
+    """A store operation inside the commit vote's wait is one wait, not two."""
+    timer = StepTimer()
+    with WAITS.waiting(), WAITS.waiting():
+        time.sleep(0.2)
+    step = timer.stop()
+    assert 0.2 <= step.waited_s <= step.seconds + 1e-6
+
+
 def test_a_wait_that_raises_still_counts_as_waiting() -> None:
     timer = StepTimer()
     with pytest.raises(RuntimeError), WAITS.waiting():
