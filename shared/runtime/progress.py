@@ -15,7 +15,7 @@ for it):
 A rank that has waited longer than `threshold` (a few times the recent median step,
 bounded below by a floor) in a collective of step k, or for the decision of k after its
 vote, claims the judgement of (epoch, k) in the store (one rank judges) and reads the
-board twice, `2 * interval_s` apart, the second time at the threshold. Most hangs hold
+board twice, `GAP_BEATS` beacon intervals apart, the second time at the threshold. Most hangs hold
 every other rank in a collective before anyone votes (the gradient all-reduce comes
 first), so waiting anywhere counts.
 A rank that has not voted for k is
@@ -55,6 +55,11 @@ from trainmover.runtime.storeclient import Store
 INTERVAL_S = 0.25
 #: Steps a rank must have timed before it judges others.
 MIN_HISTORY = 3
+#: Beacon intervals between the judge's two reads: a rank is silent only once it missed
+#: that many beats in a row, more than an overloaded host starves a live process of
+#: (two did: a healthy machine was named silent). The first read is taken that long
+#: before the threshold, so the verdict still comes at the threshold.
+GAP_BEATS = 4
 #: The share of the time between the two reads that a rank not waiting in a collective
 #: spent waiting for a CPU, from which it is starved rather than computing.
 STARVED = 0.5
@@ -322,7 +327,7 @@ class StallWatch:
         decision), every few hundred milliseconds."""
         if len(self.recent) < MIN_HISTORY or self.board.progress.done < 1:
             return  # no step time to judge against yet (start, recovery, joining)
-        threshold, lead = self.threshold_s(), 2 * self.board.interval_s
+        threshold, lead = self.threshold_s(), GAP_BEATS * self.board.interval_s
         if time.monotonic() - self.board.moved_at < threshold + lead:
             # Everyone waited for the store to move, and the board is being refilled.
             self._pending = None

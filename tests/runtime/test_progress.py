@@ -10,7 +10,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from trainmover.runtime.progress import Entry, Progress, ProgressBoard, StallWatch, judge
+from trainmover.runtime.progress import (
+    GAP_BEATS,
+    INTERVAL_S,
+    Entry,
+    Progress,
+    ProgressBoard,
+    StallWatch,
+    judge,
+)
 from trainmover.runtime.steptime import WAITS
 
 
@@ -139,9 +147,9 @@ def test_nobody_is_judged_while_the_board_refills_after_a_store_move(monkeypatch
     board.moved_at = 99.0  # everyone waited for the store: the wait is not a stall
     watch.stalled("e0", 7, 3.0)
     assert board.claims == [] and board.reads == 0
-    clock[0] = 99.0 + 1.5 + 0.5  # threshold and two beacon intervals after the move
+    clock[0] = 99.0 + 1.5 + GAP_BEATS * INTERVAL_S  # threshold and the reads' gap later
     watch.stalled("e0", 7, 5.0)
-    assert board.claims == [("e0", 7, 3)] and board.reads == 1
+    assert board.claims == [("e0", 7, 4)] and board.reads == 1
 
 
 def test_the_judge_reads_ahead_so_its_verdict_falls_on_the_threshold(monkeypatch) -> None:
@@ -151,19 +159,20 @@ def test_the_judge_reads_ahead_so_its_verdict_falls_on_the_threshold(monkeypatch
         watch.step_done(seconds)
     clock = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    for waited in (0.5, 0.9):
+    assert GAP_BEATS * INTERVAL_S == 1.0  # the timings below
+    clock[0] += 0.25
+    watch.stalled("e0", 7, 0.25)
+    assert board.claims == [] and board.reads == 0
+    # The reads' gap before the threshold: claimed, first read.
+    clock[0] += 0.25
+    watch.stalled("e0", 7, 0.5)
+    assert board.claims == [("e0", 7, 1)] and board.reads == 1 and board.examined == []
+    for waited in (0.75, 1.0, 1.25):
         clock[0] += 0.25
         watch.stalled("e0", 7, waited)
-    assert board.claims == [] and board.reads == 0
-    # Two beacon intervals before the threshold: claimed, first read.
-    clock[0] += 0.25
-    watch.stalled("e0", 7, 1.0)
-    assert board.claims == [("e0", 7, 1)] and board.reads == 1 and board.examined == []
-    clock[0] += 0.25
-    watch.stalled("e0", 7, 1.25)
     assert board.examined == []
     clock[0] += 0.25
-    watch.stalled("e0", 7, 1.5)  # the threshold: judged now, not 0.5 s later
+    watch.stalled("e0", 7, 1.5)  # the threshold: judged now, not a gap later
     assert board.examined == [1.5]
     # Nobody named: the next attempt one threshold later, claimed anew.
     clock[0] += 1.0
@@ -171,7 +180,10 @@ def test_the_judge_reads_ahead_so_its_verdict_falls_on_the_threshold(monkeypatch
     assert board.claims[-1] == ("e0", 7, 2) and board.examined == [1.5]
     clock[0] += 0.5
     watch.stalled("e0", 7, 3.0)
-    assert board.examined == [1.5, 3.0]
+    assert board.examined == [1.5]  # the first read of this attempt is 0.5 s old
+    clock[0] += 0.5
+    watch.stalled("e0", 7, 3.5)
+    assert board.examined == [1.5, 3.5]
     # The step ended: a wait in the next step starts afresh.
     clock[0] += 0.25
     watch.stalled("e0", 8, 0.25)
