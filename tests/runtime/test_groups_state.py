@@ -284,3 +284,25 @@ def test_a_joiner_of_another_role_refuses_before_any_tensor_byte(store, other, n
     joined.shutdown()
     sender.join(30)
     assert torch.equal(other[0].weight, weight)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 4099])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_the_chunk_checksum_is_the_wrapping_sum_of_the_bytes_words(size, offset):
+    """The same value whatever the chunk's alignment, and the documented formula: both
+    ends must agree byte for byte, whatever computes it."""
+    import struct
+
+    from trainmover.runtime import transfer
+
+    data = bytes((i * 37 + 11) % 256 for i in range(size + offset))[offset:]
+    chunk = torch.tensor(list(b"\0" * offset + data), dtype=torch.uint8)[offset:]
+    words = size // 8
+    total = sum(struct.unpack(f"<{words}Q", data[: words * 8])) + sum(data[words * 8 :])
+    expected = (total + transfer._MIX * 4 + size) & transfer._MASK
+    assert transfer._checksum(chunk, 3) == expected
+    flipped = bytearray(data)
+    if size:
+        flipped[size // 2] ^= 1
+        other = torch.tensor(list(flipped), dtype=torch.uint8)
+        assert transfer._checksum(other, 3) != expected
