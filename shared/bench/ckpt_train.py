@@ -22,20 +22,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from trainmover.bench.role import EventWriter, build_role
 from trainmover.runtime.build import build_group
-from trainmover.runtime.config import load_config
+from trainmover.runtime.config import JobConfig, load_config
 from trainmover.runtime.groups import GroupTable
 from trainmover.runtime.layout import Role
 from trainmover.runtime.pgs import ProcessGroups
 from trainmover.runtime.plan import RankRef, group_specs
-from trainmover.runtime.state import TrainingState, load_saved
+from trainmover.runtime.state import load_saved
 
 
 def latest_complete(ckpt_dir: Path, world: int) -> int:
@@ -78,25 +80,39 @@ def arguments(argv: list[str] | None, description: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = arguments(argv, __doc__.splitlines()[0])
+def begin(argv: list[str] | None, description: str) -> tuple[argparse.Namespace, JobConfig]:
+    """A checkpoint-restart script's command line and job config (torch's threads set
+    as the job config says, as under TrainMover)."""
+    args = arguments(argv, description)
     cfg = load_config(args.config)
     torch.set_num_threads(cfg.runtime.threads)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return args, cfg
+
+
+def rank_events(args: argparse.Namespace, rank: int, role: str) -> EventWriter:
+    """This worker's event file (one per launch, torchrun restart and rank), its start
+    written."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    events = EventWriter(
+        args.run_dir / "events" / f"l{args.launch}-r{restart}-rank{rank}.jsonl",
+        rank=rank,
+        role=role,
+        restart=restart,
+        launch=args.launch,
+    )
+    events.write("start")
+    return events
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cfg = begin(argv, __doc__.splitlines()[0])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     layout = cfg.layout
     machine, tp = divmod(rank, layout.tp)
     cells = layout.cells()
     cell = cells[machine]
     role = Role(dp=cell.dp, pp=cell.pp, tp=tp)
-    events = EventWriter(
-        args.run_dir / "events" / f"l{args.launch}-r{restart}-rank{rank}.jsonl",
-        rank=rank,
-        role=role.key,
-        restart=restart,
-        launch=args.launch,
-    )
-    events.write("start")
+    events = rank_events(args, rank, role.key)
 
     timeout = cfg.runtime.group_timeout_s
     store = _store(timeout)
@@ -121,17 +137,16 @@ def main(argv: list[str] | None = None) -> int:
         r.state.restore(saved["header"], saved["tensors"])
     events.write("loaded", step=r.state.step)
 
+    def train_one() -> float | None:
+        loss = r.job.step(c10d.get, r.state.step + 1)
+        r.state.step += 1
+        return loss
+
+    def save(step: int) -> None:
+        r.state.save(step_folder(ckpt_dir, step) / f"{role.key}.pt")
+
     try:
-        while True:
-            stop = stop_step(args.run_dir)
-            if stop is not None and r.state.step >= stop:
-                save(r.state, ckpt_dir, role, events)
-                break
-            loss = r.job.step(c10d.get, r.state.step + 1)
-            r.state.step += 1
-            events.write("step", step=r.state.step, loss=loss)
-            if r.state.step % args.every == 0:
-                save(r.state, ckpt_dir, role, events)
+        train_with_checkpoints(args, events, r.state.step, train_one, save)
     finally:
         c10d.close()
         groups.shutdown()  # a gloo group alive at exit can abort the process
@@ -139,12 +154,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save(state: TrainingState, ckpt_dir: Path, role: Role, events: EventWriter) -> None:
-    """This rank's checkpoint of the current step (atomic: written, then renamed)."""
-    folder = ckpt_dir / f"step{state.step}"
+def step_folder(ckpt_dir: Path, step: int) -> Path:
+    """Where every rank's checkpoint of `step` goes (made if missing)."""
+    folder = ckpt_dir / f"step{step}"
     folder.mkdir(parents=True, exist_ok=True)
-    state.save(folder / f"{role.key}.pt")
-    events.write("saved", step=state.step)
+    return folder
+
+
+def save_rank_file(state: dict[str, Any], folder: Path, rank: int) -> None:
+    """This rank's file of a checkpoint (atomic: written under another name, then
+    renamed, so `latest_complete` never counts a half-written one)."""
+    tmp = folder / f"rank{rank}.tmp"
+    torch.save(state, tmp)
+    tmp.rename(folder / f"rank{rank}.pt")
+
+
+def train_with_checkpoints(
+    args: argparse.Namespace,
+    events: EventWriter,
+    step: int,
+    train_one: Callable[[], float | None],
+    save: Callable[[int], None],
+) -> None:
+    """The loop of every checkpoint-restart script: `train_one` step after `step`, a
+    checkpoint (`save(step)`) every `args.every` steps, and at the stop step (written in
+    run_dir/stop_at) a last checkpoint before returning (save-and-restart)."""
+    saved = step  # what the job resumed from is on disk already
+    while True:
+        stop = stop_step(args.run_dir)
+        if stop is not None and step >= stop:
+            if saved != step:
+                save(step)
+                events.write("saved", step=step)
+            return
+        loss = train_one()
+        step += 1
+        events.write("step", step=step, loss=loss)
+        if step % args.every == 0:
+            save(step)
+            events.write("saved", step=step)
+            saved = step
 
 
 if __name__ == "__main__":

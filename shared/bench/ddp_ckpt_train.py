@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,11 +28,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainmover.bench.ckpt_train import arguments, latest_complete, stop_step
-from trainmover.bench.role import EventWriter
+from trainmover.bench.ckpt_train import (
+    begin,
+    latest_complete,
+    rank_events,
+    save_rank_file,
+    step_folder,
+    train_with_checkpoints,
+)
 from trainmover.examples.ddp.train import build, device_for, train_step
 from trainmover.examples.ddp.train_trainmover import settings_from_job
-from trainmover.runtime.config import load_config
 
 
 def _state(model: Any, optimizer: torch.optim.Optimizer, data: Any, step: int) -> dict:
@@ -46,31 +50,12 @@ def _state(model: Any, optimizer: torch.optim.Optimizer, data: Any, step: int) -
     }
 
 
-def save(state: dict, ckpt_dir: Path, rank: int) -> None:
-    """This rank's checkpoint (atomic: written under another name, then renamed)."""
-    folder = ckpt_dir / f"step{state['step']}"
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"rank{rank}.tmp"
-    torch.save(state, tmp)
-    tmp.rename(folder / f"rank{rank}.pt")
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = arguments(argv, __doc__.splitlines()[0])
-    cfg = load_config(args.config)
-    torch.set_num_threads(cfg.runtime.threads)
+    args, cfg = begin(argv, __doc__.splitlines()[0])
     s = settings_from_job(cfg)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    events = EventWriter(
-        args.run_dir / "events" / f"l{args.launch}-r{restart}-rank{rank}.jsonl",
-        rank=rank,
-        role=f"d{rank}p0t0",
-        restart=restart,
-        launch=args.launch,
-    )
-    events.write("start")
+    events = rank_events(args, rank, f"d{rank}p0t0")
     model, optimizer, data = build(s, device_for(int(os.environ.get("LOCAL_RANK", "0"))))
     step = 0
     ckpt_dir = args.run_dir / "ckpt"
@@ -83,19 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_rng_state(saved["rng"])
         step = saved["step"]
     events.write("loaded", step=step)
+
+    def train_one() -> float:
+        return train_step(model, optimizer, data, s)
+
+    def save(step: int) -> None:
+        save_rank_file(_state(model, optimizer, data, step), step_folder(ckpt_dir, step), rank)
+
     try:
-        while True:
-            stop = stop_step(args.run_dir)
-            if stop is not None and step >= stop:
-                save(_state(model, optimizer, data, step), ckpt_dir, rank)
-                events.write("saved", step=step)
-                break
-            loss = train_step(model, optimizer, data, s)
-            step += 1
-            events.write("step", step=step, loss=loss)
-            if step % args.every == 0:
-                save(_state(model, optimizer, data, step), ckpt_dir, rank)
-                events.write("saved", step=step)
+        train_with_checkpoints(args, events, step, train_one, save)
     finally:
         dist.destroy_process_group()  # a gloo group alive at exit can abort the process
     events.close()

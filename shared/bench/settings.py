@@ -71,7 +71,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layout",
         type=parse_layout,
-        help="TPxPPxDP (default 2x2x2: 4 machines of 2 ranks; --example ddp: 1x1x2)",
+        help="TPxPPxDP[sS] (default 2x2x2: 4 machines of 2 ranks; --example ddp: 1x1x2, llama: 2x1x4s2)",
     )
     parser.add_argument(
         "--config", type=Path, help="job config (YAML/JSON) instead of the bench model"

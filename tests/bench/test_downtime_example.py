@@ -11,6 +11,7 @@ from trainmover.bench.downtime_example import summarize
 from trainmover.bench.example_jobs import EXAMPLES, example_config
 from trainmover.bench.report import Result
 from trainmover.examples.ddp.train_trainmover import settings_from_job
+from trainmover.examples.llama.train_trainmover import settings_from_job as llama_settings
 from trainmover.runtime.layout import Layout
 
 
@@ -28,10 +29,24 @@ def test_the_ddp_job_is_data_parallel_and_both_versions_read_the_same_settings()
     ]
 
 
+def test_the_llama_job_is_tp_times_hsdp_and_both_versions_read_the_same_settings() -> None:
+    config = example_config("llama", None, tiny=False)
+    lay = config.layout
+    assert (lay.tp, lay.pp, lay.dp_replicate, lay.dp_shard) == (2, 1, 2, 2)
+    assert len(config.cluster.machines) == 4  # machines of TP ranks, one per DP index
+    s = llama_settings(config)
+    assert s.mesh_shape() == {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    assert s.model.dim == EXAMPLES["llama"].model["d_model"]
+    piped = llama_settings(example_config("llama", Layout.parse("1x2x2s2"), tiny=True))
+    assert piped.mesh_shape() == {"pp": 2, "dp_shard": 2}
+
+
 def test_a_layout_the_example_does_not_build_and_an_unknown_example_are_refused() -> None:
     with pytest.raises(ValueError, match=r"--layout 1x1xDP, not 2x1x2"):
         example_config("ddp", Layout(tp=2, pp=1, dp=2), tiny=True)
-    with pytest.raises(ValueError, match=r"no example 'fsdp9': one of ddp"):
+    with pytest.raises(ValueError, match=r"llama shards its state .* not 2x1x2 "):
+        example_config("llama", Layout(tp=2, pp=1, dp=2), tiny=True)
+    with pytest.raises(ValueError, match=r"no example 'fsdp9': one of ddp, llama"):
         example_config("fsdp9", None, tiny=True)
 
 
