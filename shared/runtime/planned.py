@@ -256,10 +256,12 @@ class PlannedSwitch:
         built = _builder(mig).wait(core.timeout_s)
         transfer = transfer_group(built)
         core.log.info("transferring", plan_id=mig.plan.plan_id, peak_rss_mib=peak_rss_mib())
+        receiving = time.perf_counter()
         try:
             stats = core.state.receive(transfer, peer=0)
         except (StepAborted, TransferError) as exc:
             return self._transfer_failed(mig, built, exc)
+        received = time.perf_counter()
         built.remove(transfer)
         retire([transfer])
         del transfer
@@ -269,7 +271,14 @@ class PlannedSwitch:
         core.groups.install(role_groups)
         shapes = str(stats.extra.get("pp_shapes", ""))
         core.torch.installed([g.spec.kind for g in role_groups], shapes=shapes)
+        installed = time.perf_counter()
         self._new_epoch(str(stats.extra.get("epoch", "e0")), core.state.step)
+        # Where the joiner's time after its leaver's last byte went (the downtime's tail).
+        after_transfer = {
+            "restore_s": received - receiving - stats.waited_s - stats.seconds,
+            "install_s": installed - received,
+            "epoch_s": time.perf_counter() - installed,
+        }
         self._finish(
             mig,
             c.Switched(
@@ -283,6 +292,7 @@ class PlannedSwitch:
                 transfer_s=stats.seconds,
             ),
             transfer_wait_s=stats.waited_s,
+            **after_transfer,
         )
         return True
 
@@ -307,9 +317,12 @@ class PlannedSwitch:
             retire(built)
         return False
 
-    def _finish(self, mig: Planned, event: c.Switched, transfer_wait_s: float = 0.0) -> None:
+    def _finish(
+        self, mig: Planned, event: c.Switched, transfer_wait_s: float = 0.0, **seconds: float
+    ) -> None:
         """Reports the switch; a joiner also logs how long it waited for its leaver's
-        first byte (its leaver's last step), which is downtime but not transfer."""
+        first byte (its leaver's last step), which is downtime but not transfer, and
+        `seconds` of what it did after the last byte."""
         core = self.core
         core.log.info(
             "switched",
@@ -322,6 +335,7 @@ class PlannedSwitch:
             transfer_wait_s=round(transfer_wait_s, 4),
             seconds=round(event.t_end - event.t_start, 4),
             peak_rss_mib=peak_rss_mib(),
+            **{name: round(value, 4) for name, value in seconds.items()},
         )
         with core.cond:
             core.accepted.switched(mig)
