@@ -23,6 +23,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,25 +71,36 @@ class PendingWork:
         self.group._wait(self)
 
 
-def _finished(work: Any) -> bool:
-    """A c10d work is over once its future is: gloo completes the future (waking the
-    waiter, e.g. DDP's reducer raising in the training thread) before it marks the work
-    itself completed, so `is_completed()` can still be False when the waiter looks. A
-    work without a future (gloo's reduce-scatters) is over once completed."""
-    future = future_of(work)
-    return bool(future.done() if future is not None else work.is_completed())
+@dataclass(frozen=True, eq=False)
+class _C10dWork:
+    """A c10d work posted for a library, with its future looked up once: gloo's
+    reduce-scatters have none and say so by raising, which costs more than the check
+    itself when it is repeated for every work at every post."""
 
+    work: Any
+    future: Any
 
-def _error_of(work: Any) -> Exception | None:
-    """The error a finished c10d work ended with, if any."""
-    future = future_of(work)
-    if future is None:
-        return work.exception()  # type: ignore[no-any-return]
-    try:
-        future.value()
-    except Exception as exc:  # the work's own error, whatever the backend raised
-        return exc
-    return None
+    @classmethod
+    def of(cls, work: Any) -> _C10dWork:
+        return cls(work, future_of(work))
+
+    @property
+    def finished(self) -> bool:
+        """Over once its future is: gloo completes the future (waking the waiter, e.g.
+        DDP's reducer raising in the training thread) before it marks the work itself
+        completed, so `is_completed()` can still be False when the waiter looks. A work
+        without a future is over once completed."""
+        return bool(self.future.done() if self.future is not None else self.work.is_completed())
+
+    def error(self) -> Exception | None:
+        """The error a finished work ended with, if any."""
+        if self.future is None:
+            return self.work.exception()  # type: ignore[no-any-return]
+        try:
+            self.future.value()
+        except Exception as exc:  # the work's own error, whatever the backend raised
+            return exc
+        return None
 
 
 class Group:
@@ -121,7 +133,7 @@ class Group:
         self._failed = False
         #: Works posted for a c10d `SwappableGroup` (waited by their caller, e.g. DDP's
         #: reducer); kept until seen complete.
-        self._c10d: list[Any] = []
+        self._c10d: list[_C10dWork] = []
         #: Sees every tensor received (tag, tensor): how a live rank records for shadow
         #: iterations (`trainmover.runtime.sandbox.Recorder`).
         self.tap: Callable[[int, torch.Tensor], None] | None = None
@@ -142,7 +154,7 @@ class Group:
         return (
             self._failed
             or any(not w.done for w in self._inflight)
-            or any(not _finished(w) for w in self._c10d)
+            or any(not w.finished for w in self._c10d)
         )
 
     def peer_machine(self, peer: int | None) -> str | None:
@@ -181,7 +193,7 @@ class Group:
         abandoned work taints this group as the runtime's own collectives do."""
         self.c10d_failure()
         work = self._start(start, None, call)
-        self._c10d.append(work)
+        self._c10d.append(_C10dWork.of(work))
         return work, IN_FLIGHT.track(work)
 
     def wait_c10d(self, work: Any, span: InFlightSpan) -> None:
@@ -205,9 +217,9 @@ class Group:
         """Drops the c10d works seen complete; the first error among them, if any (the
         group is then dirty)."""
         error = None
-        for work in [w for w in self._c10d if _finished(w)]:
+        for work in [w for w in self._c10d if w.finished]:
             self._c10d.remove(work)
-            exc = _error_of(work)
+            exc = work.error()
             if exc is not None:
                 self._failed = True
                 error = error or str(exc)[:500]
