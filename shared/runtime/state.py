@@ -101,8 +101,38 @@ class TrainingState:
             },
         }
 
+    def prime(self) -> None:
+        """Gives an optimizer that has not stepped its state's tensors, through the
+        checkpoint API (which initialises it with a step of learning rate zero), so that
+        a state received later lands in place. Only for a rank whose whole state is then
+        overwritten (a joiner): on any other it would count as a step."""
+        if not self.optimizer.state:
+            get_optimizer_state_dict(self.model, self.optimizer)
+
     def restore(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Overwrites this rank's state with a captured one."""
+        self._restore(header, tensors, self.named_tensors())
+
+    def _restore(
+        self, header: dict[str, Any], tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
+    ) -> None:
+        if not _write_in_place(header, tensors, own):
+            self._load_state_dicts(header, tensors)
+        else:
+            self._load_param_groups(header["param_groups"])
+        torch.set_rng_state(tensors["rng.torch"].cpu())
+        if "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"].cpu(), _device_of(self.model))
+        for name, gen in self.generators.items():
+            gen.set_state(tensors[f"rng.{name}"].cpu())
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(header["stateful"][name])
+        self.step = int(header["step"])
+
+    def _load_state_dicts(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Parameters and optimizer state through `set_model_state_dict` and
+        `set_optimizer_state_dict`: for a state whose tensors have no place of their own
+        yet here (an optimizer that never stepped, a layout that differs)."""
         own = {n: t for n, t in get_model_state_dict(self.model).items() if isinstance(t, DTensor)}
         model = {
             n.removeprefix("model."): _shaped_like(own.get(n.removeprefix("model.")), t)
@@ -112,30 +142,36 @@ class TrainingState:
         set_model_state_dict(self.model, cast(dict[str, Any], model))
         if header["param_groups"] is None:
             self.optimizer.state.clear()  # the sender had not stepped yet either
-        else:
-            state: dict[str, dict[str, Any]] = {}
-            for name, value in tensors.items():
-                if name.startswith("optim."):
-                    fqn, key = name.removeprefix("optim.").rsplit(_KEY, 1)
-                    state.setdefault(fqn, {})[key] = _shaped_like(own.get(fqn), value)
-            for fqn, scalars in header["optim_scalars"].items():
-                state.setdefault(fqn, {}).update(scalars)
-            own_groups = self.optimizer.param_groups
-            groups = [
-                {k: _like(mine.get(k), v) for k, v in theirs.items()}
-                for mine, theirs in zip(own_groups, header["param_groups"], strict=True)
-            ]
-            set_optimizer_state_dict(
-                self.model, self.optimizer, cast(Any, {"state": state, "param_groups": groups})
-            )
-        torch.set_rng_state(tensors["rng.torch"].cpu())
-        if "rng.cuda" in tensors:
-            torch.cuda.set_rng_state(tensors["rng.cuda"].cpu(), _device_of(self.model))
-        for name, gen in self.generators.items():
-            gen.set_state(tensors[f"rng.{name}"].cpu())
-        for name, obj in self.stateful.items():
-            obj.load_state_dict(header["stateful"][name])
-        self.step = int(header["step"])
+            return
+        state: dict[str, dict[str, Any]] = {}
+        for name, value in tensors.items():
+            if name.startswith("optim."):
+                fqn, key = name.removeprefix("optim.").rsplit(_KEY, 1)
+                state.setdefault(fqn, {})[key] = _shaped_like(own.get(fqn), value)
+        for fqn, scalars in header["optim_scalars"].items():
+            state.setdefault(fqn, {}).update(scalars)
+        set_optimizer_state_dict(
+            self.model,
+            self.optimizer,
+            cast(
+                Any,
+                {"state": state, "param_groups": self._groups_like_ours(header["param_groups"])},
+            ),
+        )
+
+    def _groups_like_ours(self, theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [
+            {k: _like(mine.get(k), v) for k, v in group.items()}
+            for mine, group in zip(self.optimizer.param_groups, theirs, strict=True)
+        ]
+
+    def _load_param_groups(self, theirs: list[dict[str, Any]]) -> None:
+        """The sender's hyperparameters (learning rate, betas, ...) into our optimizer's
+        groups; their parameters are ours already, by name."""
+        for mine, group in zip(
+            self.optimizer.param_groups, self._groups_like_ours(theirs), strict=True
+        ):
+            mine.update({k: v for k, v in group.items() if k != "params"})
 
     def light(self) -> dict[str, Any]:
         """What a step changes besides parameters and optimizer (which only a committed
@@ -185,8 +221,9 @@ class TrainingState:
         """Receives a state streamed by `send` from `peer` and restores it once it arrived
         whole (`trainmover.runtime.transfer`); the sender's `extra` is in the returned
         stats."""
-        received = receive_state(group, peer, self.named_tensors(), _device_of(self.model))
-        self.restore(received.header, received.tensors)
+        own = self.named_tensors()
+        received = receive_state(group, peer, own, _device_of(self.model))
+        self._restore(received.header, received.tensors, own)
         return received.stats
 
     # -- files -------------------------------------------------------------------------
@@ -207,6 +244,30 @@ def _like(own: Any, received: Any) -> Any:
     """The received value with the container type of our own (JSON turns tuples such as
     Adam's betas into lists)."""
     return tuple(received) if isinstance(own, tuple) and isinstance(received, list) else received
+
+
+def _write_in_place(
+    header: dict[str, Any], tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
+) -> bool:
+    """Writes the received parameters and optimizer state into the storage of our own
+    (the local shards the checkpoint API hands out, written as `load_state_dict` would),
+    when each has its place here with the same shape and dtype and the optimizer state
+    has no scalars besides its tensors; False, having written nothing, otherwise. This
+    spares DTensor's sharding propagation, which a first `copy_` or optimizer step on
+    each distinct shard runs: tens of milliseconds per tensor, on the joiner's critical
+    path. A transfer received into our own storage has nothing left to write."""
+    theirs = {n: t for n, t in tensors.items() if n.startswith(("model.", "optim."))}
+    mine = {n: t for n, t in own.items() if n.startswith(("model.", "optim."))}
+    scalars = any(header["optim_scalars"].values()) if header["param_groups"] else True
+    if scalars or theirs.keys() != mine.keys():
+        return False
+    if any(t.shape != mine[n].shape or t.dtype != mine[n].dtype for n, t in theirs.items()):
+        return False
+    with torch.no_grad():
+        for name, t in theirs.items():
+            if t.data_ptr() != mine[name].data_ptr() or t.stride() != mine[name].stride():
+                mine[name].copy_(t)
+    return True
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -135,6 +135,7 @@ class Runtime:
         with self._cond:
             self._core.store_address = welcome.store
             self._core.accepted.limit = welcome.limit
+            self._standby = welcome.role is None  # its state will come from a peer
             if welcome.role is not None:
                 self._core.take_role(welcome.role)
                 # Generation-0 groups build in the background while the user builds it.
@@ -231,6 +232,8 @@ class Runtime:
         gates `optimizer.step()` with the commit agreement (a step pre-hook)."""
         self.torch.track(model)
         state = TrainingState(model, optimizer, stateful or {}, generators or {})
+        if self._standby:
+            state.prime()  # before the vote's hook: priming steps the optimizer
         self._core.state = state
         self._core.tracked.set()
         optimizer.register_step_pre_hook(self._votes.before_optimizer_step)
@@ -266,10 +269,8 @@ class Runtime:
             raise RuntimeError("call track() before steps()")
         self._install_initial()
         accepted, votes = self._core.accepted, self._votes
-        joined = False
-        if accepted.planned is not None and accepted.planned.part == "joiner":
-            joined = self._planned.join()  # False: a recovery took the migration's place
-        if joined:
+        joiner = accepted.planned is not None and accepted.planned.part == "joiner"
+        if joiner and self._planned.join():  # False: a recovery took the migration's place
             pass
         elif accepted.recovering is not None and accepted.recovering.part == "joiner":
             self._recovery.carry_out(joiner=True)
@@ -320,8 +321,7 @@ class Runtime:
             self._maybe_checkpoint(step)
 
     def _install_initial(self) -> None:
-        """The generation-0 groups, once built: at the first step, or earlier when the
-        loop's first c10d collective (a DDP constructor's) needs them."""
+        """The generation-0 groups, once built: at the first step or first c10d collective."""
         if self._initial is not None:
             self.groups.install(self._initial.wait(self._timeout_s))
             self._initial = None
