@@ -178,6 +178,9 @@ async def run(
     verbose: bool = False,
 ) -> DemoReport:
     config = job.config(steps)
+    if config.runtime.checkpoint_every and not config.runtime.checkpoint_dir:
+        # Every machine reads every role's checkpoints: a shared file system's stand-in.
+        config = config.with_updates(runtime={"checkpoint_dir": str(workdir / "checkpoints")})
     report = DemoReport(job=config.job, steps=steps)
     t0 = time.monotonic()
     say(f"starting the local cluster: {job.description} (workdir {workdir})")

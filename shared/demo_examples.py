@@ -32,12 +32,14 @@ class DemoJob:
     default_steps: int = 600
     standbys: list[str] = field(default_factory=lambda: ["s0", "s1"])
     model: dict[str, int] = field(default_factory=dict)
+    #: Runtime settings besides the demo's own (e.g. a checkpoint interval).
+    runtime: dict[str, Any] = field(default_factory=dict)
 
     def config(self, steps: int) -> JobConfig:
         base = JobConfig(job="demo")
         sections: dict[str, dict] = {
             "train": {"steps": steps, "dump_steps": [steps]},
-            "runtime": {"group_timeout_s": 60},
+            "runtime": {"group_timeout_s": 60, **self.runtime},
             "cluster": {"standbys": self.standbys, "maintenance_s": 2.0},
         }
         if self.layout:

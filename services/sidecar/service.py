@@ -39,7 +39,7 @@ from trainmover.messages import (
 )
 from trainmover.metrics import Registry
 from trainmover.runtime import control as c
-from trainmover.runtime.config import JobConfig
+from trainmover.runtime.config import JobConfig, records_on_the_bus
 from trainmover.runtime.launcher import REFERENCE_ENTRY
 from trainmover.runtime.plan import RankRef
 from trainmover.service import write_port_file
@@ -94,7 +94,7 @@ class Sidecar:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.workers = MachineWorkers(
             self.machine,
-            settings.config,
+            records_on_the_bus(settings.config, settings.nats_url),
             run_dir,
             settings.rendezvous,
             lambda: self._state,

@@ -204,3 +204,14 @@ def save_config(config: JobConfig, path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps(config.model_dump(), indent=2))
     return path
+
+
+def records_on_the_bus(config: JobConfig, nats_url: str) -> JobConfig:
+    """`config` with its recordings in the job's object store on the bus at `nats_url`
+    (what a sidecar hands its workers), unless the job names a record store or directory
+    of its own: the bus is what every machine of a job shares, and a standby's host sees
+    no other machine's files."""
+    rt = config.runtime
+    if rt.record_store or rt.record_dir or not nats_url.startswith(NATS_SCHEMES):
+        return config
+    return config.with_updates(runtime={"record_store": nats_url})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
@@ -96,11 +97,28 @@ class Recorder:
     def save(self, store: RecordStore, role_type: str) -> int:
         buf = io.BytesIO()
         torch.save(self.received, buf)
-        store.put(record_key(role_type), buf.getvalue())
         shapes = pipelines.describe().encode()
         if shapes:
             store.put(shapes_key(role_type), shapes)
+        # Last: a standby waiting for the recording (`await_record`) finds it whole.
+        store.put(record_key(role_type), buf.getvalue())
         return buf.getbuffer().nbytes + len(shapes)
+
+
+def await_record(store: RecordStore, role_type: str, timeout_s: float) -> bool:
+    """Waits until a live rank of `role_type` has saved its recording (a standby that
+    starts with the job warms up before the job's `record_step` is over); False after
+    `timeout_s`. A store has no change notification to wait on: it is polled, ever
+    less often, up to once a second."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.05
+    while store.get(record_key(role_type)) is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, 1.0)
+    return True
 
 
 def load_record(store: RecordStore, role_type: str) -> dict[int, torch.Tensor]:

@@ -15,6 +15,7 @@ the shadow created and that are still reachable once it is over.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -39,9 +40,11 @@ from trainmover.runtime.sandbox import (
     RecordStore,
     SandboxGroup,
     SandboxStats,
+    await_record,
     load_record,
     load_shapes,
     local_tp_group,
+    record_key,
     sandbox_specs,
     seed_for,
 )
@@ -106,14 +109,19 @@ def run_shadow(
     round_id: str,
     timeout_s: float,
     store_known: bool,
+    records_wait_s: float = 0.0,
 ) -> c.Warmed:
     """Runs `warm.iterations` shadow iterations for each of `warm.role_types`;
-    `kept_bytes` measures the tensors that outlive them."""
+    `kept_bytes` measures the tensors that outlive them. A role type whose shadow fails
+    before any live rank recorded it (with pipeline parallelism) waits up to
+    `records_wait_s` for the recording, then runs again."""
     before = snapshot_tensors()
     stats = SandboxStats()
     times: dict[str, list[float]] = {}
     for role_type in warm.role_types:
-        times[role_type] = _shadow_role(
+        recorded = layout.pp == 1 or records.get(record_key(role_type)) is not None
+        attempt = functools.partial(
+            _shadow_role,
             role_type,
             me,
             layout,
@@ -125,6 +133,16 @@ def run_shadow(
             timeout_s,
             stats,
         )
+        try:
+            times[role_type] = attempt()
+        except Exception:
+            # A stage that learns its shapes from a recording (a torch pipeline built
+            # without them) cannot run before a live rank made one: a standby started
+            # with its job waits for it, then tries again.
+            waited = not recorded and records_wait_s > 0
+            if not (waited and await_record(records, role_type, records_wait_s)):
+                raise
+            times[role_type] = attempt()
         gc.collect()
     return c.Warmed(
         role_types=list(warm.role_types),
@@ -213,6 +231,7 @@ def warm_up(
     timeout_s: float,
     store_known: bool,
     log: structlog.stdlib.BoundLogger,
+    records_wait_s: float = 0.0,
 ) -> c.Warmed:
     """A standby's answer to `warm`: `run_shadow`, or the error that stopped it (a
     failed warm-up leaves a usable, cold, standby)."""
@@ -220,8 +239,9 @@ def warm_up(
         if shadow is None:
             raise RuntimeError("this job gave wait_for_role no shadow step")
         warmed = run_shadow(
-            me, layout, warm, shadow, records, sandbox_dir, round_id, timeout_s, store_known
-        )
+            me, layout, warm, shadow, records, sandbox_dir, round_id, timeout_s, store_known,
+            records_wait_s,
+        )  # fmt: skip
     except Exception as exc:
         log.exception("warm_failed")
         warmed = c.Warmed(

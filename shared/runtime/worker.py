@@ -207,6 +207,7 @@ class Runtime:
             self._timeout_s,
             store_known=bool(self._core.store_address),
             log=self.log,
+            records_wait_s=self._timeout_s if self.config.runtime.record_step else 0.0,
         )
         self._conn.notify(warmed)
 
@@ -492,8 +493,7 @@ class Runtime:
 
 
 def _end_without_teardown(code: int) -> None:
-    """atexit: ends the process here, its output flushed, before interpreter teardown
-    (see `Runtime.close`)."""
+    """atexit: ends the process, output flushed, before interpreter teardown (`close`)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
