@@ -116,10 +116,10 @@ class TrainingState:
     def _restore(
         self, header: dict[str, Any], tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
     ) -> None:
-        if not _write_in_place(header, tensors, own):
-            self._load_state_dicts(header, tensors)
-        else:
+        if _write_in_place(header, tensors, own):
             self._load_param_groups(header["param_groups"])
+        else:
+            self._load_state_dicts(header, tensors)
         torch.set_rng_state(tensors["rng.torch"].cpu())
         if "rng.cuda" in tensors:
             torch.cuda.set_rng_state(tensors["rng.cuda"].cpu(), _device_of(self.model))
@@ -258,8 +258,9 @@ def _write_in_place(
     path. A transfer received into our own storage has nothing left to write."""
     theirs = {n: t for n, t in tensors.items() if n.startswith(("model.", "optim."))}
     mine = {n: t for n, t in own.items() if n.startswith(("model.", "optim."))}
-    scalars = any(header["optim_scalars"].values()) if header["param_groups"] else True
-    if scalars or theirs.keys() != mine.keys():
+    # A sender that never stepped has no optimizer state: ours is cleared by the loaders.
+    unstepped = header["param_groups"] is None
+    if unstepped or any(header["optim_scalars"].values()) or theirs.keys() != mine.keys():
         return False
     if any(t.shape != mine[n].shape or t.dtype != mine[n].dtype for n, t in theirs.items()):
         return False
