@@ -192,16 +192,35 @@ def test_the_judge_reads_ahead_so_its_verdict_falls_on_the_threshold(monkeypatch
 
 @contextlib.contextmanager
 def _boards(world: int) -> Iterator[list[ProgressBoard]]:
-    """`world` ranks' beacons on a real store, each in step 5 of epoch e0."""
+    """`world` ranks' beacons on a real store, each in step 5 of epoch e0.
+
+    Each board is made on a thread of its own that stays alive and never waits: its
+    rank's training thread, busy computing. Made on the test's thread, every board would
+    see the test's own reads of the store as its training thread waiting."""
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
     address = f"127.0.0.1:{host.port}"
-    boards = [ProgressBoard(address, "j", r, world, f"m{r}", interval_s=0.05) for r in range(world)]
-    for board in boards:
+    boards: list[ProgressBoard | None] = [None] * world
+    made = [threading.Event() for _ in range(world)]
+    finished = threading.Event()
+
+    def training(rank: int) -> None:
+        boards[rank] = ProgressBoard(address, "j", rank, world, f"m{rank}", interval_s=0.05)
+        made[rank].set()
+        finished.wait()
+
+    threads = [threading.Thread(target=training, args=(r,), daemon=True) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for event in made:
+        assert event.wait(10), "a board was not made"
+    ready = [board for board in boards if board is not None]
+    for board in ready:
         board.progress.epoch, board.progress.step = "e0", 5
     try:
-        yield boards
+        yield ready
     finally:
-        for board in boards:
+        finished.set()
+        for board in ready:
             board.close()
 
 
