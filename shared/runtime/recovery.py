@@ -4,7 +4,8 @@
    (`trainmover.runtime.acceptance` decides and refuses: superseded, in flight, a
    standby not named), recorded for the next boundary, and the current vote epoch is
    aborted, which gets every rank out of a step blocked on the dead machine. A planned
-   migration the failure caught is given up, its groups never installed.
+   migration the failure caught is given up, its groups never installed. A standby
+   joiner starts building its groups at once, while its code builds the role.
 2. `carry_out` (training thread, at the boundary; a standby joiner before its first
    step): every rank is at its last committed step (the step in flight was discarded).
    It starts the plan's epoch, agrees with the other survivors on the groups outside the
@@ -31,7 +32,7 @@ from trainmover.runtime import checkpoint
 from trainmover.runtime import control as c
 from trainmover.runtime.abort import POLL_S, StepAborted
 from trainmover.runtime.acceptance import Recovering
-from trainmover.runtime.build import BuildAbandoned
+from trainmover.runtime.build import BuildAbandoned, GroupBuilder
 from trainmover.runtime.core import Core, SupervisorGone
 from trainmover.runtime.groups import Group, retire
 from trainmover.runtime.logs import peak_rss_mib
@@ -61,6 +62,8 @@ class FailureRecovery:
         self._abort_epoch = abort_epoch
         #: Failures this process lived through (see `Runtime.close`).
         self.count = 0
+        #: A standby joiner's groups of a plan, building since the plan came (plan id).
+        self._early: tuple[str, GroupBuilder] | None = None
 
     # -- 1. the request (control thread) -----------------------------------------------
 
@@ -76,6 +79,14 @@ class FailureRecovery:
                 core.take_role(decision.take)
             if decision.discarded is not None:
                 decision.discarded.build.discard()
+            if decision.part == "joiner":
+                # The joiner's code builds its role now (the user's build, the optimizer's
+                # priming) and needs none of these groups for that: build them meanwhile,
+                # so the stayers rebuilding with it do not wait for its code.
+                self._drop_early()
+                name = f"recover-{plan.plan_id}"
+                specs = sorted(plan.specs_for(core.me), key=lambda s: s.name)  # as `_recover`
+                self._early = (plan.plan_id, core.builder(specs, name))
             core.cond.notify_all()
         if decision.part != "joiner":
             self._abort_epoch(f"recover {plan.plan_id}")
@@ -83,6 +94,17 @@ class FailureRecovery:
         return c.RecoverAck(
             part=decision.part, committed=core.committed if decision.part != "joiner" else -1
         )
+
+    def _drop_early(self) -> None:
+        """Gives up a joiner's early build that no recovery will use (core.cond held)."""
+        if self._early is not None:
+            self._early[1].discard()
+            self._early = None
+
+    def close(self) -> None:
+        """The process ends: an early build never used is given up."""
+        with self.core.cond:
+            self._drop_early()
 
     # -- 2. at the boundary (training thread) ------------------------------------------
 
@@ -113,10 +135,14 @@ class FailureRecovery:
         specs = plan.specs_for(core.me)
         repaired = [] if joiner else self._dirty_groups(plan, store, prefix, superseded)
         specs = sorted([*specs, *repaired], key=lambda s: s.name)
+        with core.cond:
+            early, self._early = self._early, None
+        if early is not None and (not joiner or early[0] != plan.plan_id):
+            early[1].discard()
+            early = None
+        builder = early[1] if early else core.builder(specs, f"recover-{plan.plan_id}")
         try:
-            built = core.builder(specs, f"recover-{plan.plan_id}").wait(
-                core.timeout_s, abandon=superseded
-            )
+            built = builder.wait(core.timeout_s, abandon=superseded)
         except BuildAbandoned as exc:
             raise RecoverySuperseded(f"{plan.plan_id}: {exc}") from None
         build_s = time.time() - t_start

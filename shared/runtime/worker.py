@@ -112,8 +112,7 @@ class Runtime:
             torch=self.torch,
             signal=self.signal,
             records=self.records,
-            # A bound logger, not contextvars: the control thread and the builder threads
-            # log too, and threads do not inherit context variables.
+            # Bound, not contextvars: other threads log too and do not inherit those.
             log=logs.get_logger(
                 job=config.job, machine=machine, local_rank=local_rank, pid=os.getpid()
             ),
@@ -402,6 +401,7 @@ class Runtime:
         """Shuts every group down (explicitly: a gloo group alive at exit can abort the
         process) and reports the exit."""
         self._votes.close()
+        self._recovery.close()
         self.groups.shutdown()
         # Not waited for: a build abandoned in a rendezvous with a dead member ends only at
         # its timeout, holding a leaver's release that long; the process ends without

@@ -58,7 +58,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory: pytest.TempPathFactory) -> Run:
     run_dir = tmp_path_factory.mktemp("world-moved")
-    env = {"TM_TEST_FAULT": "{}@{}:{}".format(*FAULT)}
+    # m2 rebuilds its pipeline group with the failure's joiner (s1), whose code waits.
+    env = {"TM_TEST_FAULT": "{}@{}:{}".format(*FAULT), "TM_TEST_HOLD": "s1:m2"}
     with LocalJob.launch(
         CONFIG, run_dir, standbys=2, entry=ENTRY, timeout_s=WAIT_S, limit=2, extra_env=env
     ) as job:
@@ -84,6 +85,14 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 def test_world_all_reduces_stay_bit_identical_across_a_move_and_a_failure(reference, moved):
     assert_bit_identical(moved, reference, ROLES)
+
+
+def test_a_failure_joiner_builds_its_groups_while_its_code_builds_the_role(moved):
+    # s1's code built nothing until m2 had recovered, and m2 rebuilt its pipeline group
+    # with s1: that group was built while s1's code waited.
+    assert (moved.run_dir / "held-s1").read_text() == "m2"
+    (m2,) = [e for ref, e in moved.recoveries[0].switched.items() if ref.machine == "m2"]
+    assert "pp.d1.t0" in m2.rebuilt
 
 
 def test_the_world_group_is_built_at_first_use_and_after_each_switch_on_every_rank(

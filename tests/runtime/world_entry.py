@@ -5,14 +5,18 @@ Every step averages the gradients over the world group with `dist.all_reduce` (s
 DP replicas of a stage, which start equal, stay equal: a failure's joiner restored from
 one continues exactly) and checks a second all-reduce against its known sum. The loop
 syncs the initial parameters with a world broadcast before training, as torchrun
-scripts do. With ``TM_TEST_WORLD=0`` it never touches the world group.
+scripts do. With ``TM_TEST_WORLD=0`` it never touches the world group. With
+``TM_TEST_HOLD=<joiner>:<stayer>`` the joiner's code, once it has its role, builds
+nothing until the stayer has logged its recovery (`hold`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -55,6 +59,24 @@ def train_step(
     return loss.item()
 
 
+def hold(machine: str) -> None:
+    """A failure's stayer that rebuilds a group with this joiner can log its recovery only
+    once the joiner's side of that group is built: held here, the joiner's code shows
+    that its groups build while it builds its role, not after. Leaves `held-<machine>`
+    in the run directory."""
+    joiner, _, stayer = os.environ.get("TM_TEST_HOLD", "").partition(":")
+    if joiner != machine:
+        return
+    run_dir = Path(os.environ["TM_RUN_DIR"])
+    log = run_dir / "logs" / f"{stayer}-0.log"
+    deadline = time.monotonic() + 120.0
+    while not (log.exists() and '"event": "recovered"' in log.read_text()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{stayer} did not recover while {machine}'s code waited")
+        time.sleep(0.05)  # a log file tells no one when it grows
+    (run_dir / f"held-{machine}").write_text(stayer)
+
+
 def main() -> int:
     world = os.environ.get("TM_TEST_WORLD", "1") == "1"
     with Runtime.from_env() as rt:
@@ -67,6 +89,7 @@ def main() -> int:
         role = rt.wait_for_role(shadow=shadow)
         if role is None:
             return 0
+        hold(rt.me.machine)
         dist.init_process_group()
         model, optimizer = build(role, rt.device)
         if world:
