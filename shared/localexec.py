@@ -34,6 +34,9 @@ class InMemoryExecutor:
         #: Called once, before the first `transfer` of the running plan: every commit
         #: was taken by then (the harness lifts a hold at the switch step here).
         self.on_committed: Callable[[], None] | None = None
+        #: Called with k before each commit(k) goes out (the harness lets its held job
+        #: reach a switch step the Migration picked past its hold).
+        self.on_commit: Callable[[int], None] | None = None
 
     def run(
         self, plan: Plan, commit_step: int | None, margin: int, timeout_s: float
@@ -75,6 +78,8 @@ class InMemoryExecutor:
             elif command.op == "abort":
                 result = {"relaunched": False}
             else:
+                if command.op == "commit" and self.on_commit is not None:
+                    await asyncio.to_thread(self.on_commit, int(command.args["step"]))
                 if command.op == "transfer" and self.on_committed is not None:
                     hook, self.on_committed = self.on_committed, None
                     await asyncio.to_thread(hook)

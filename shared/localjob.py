@@ -43,7 +43,6 @@ from trainmover.runtime.rendezvous import RendezvousHost
 from trainmover.runtime.reports import MigrationReport, RecoveryReport
 from trainmover.runtime.supervisor import stop_processes
 from trainmover.services.executor.migration import MigrationRecord
-from trainmover.services.executor.switch import COMMIT_ROUNDS
 from trainmover.services.planner.cluster import initial_state, role_holders, set_machine
 from trainmover.services.planner.decisions import Planner
 from trainmover.services.planner.plans import make_plan
@@ -106,6 +105,7 @@ class LocalJob:
         self.ready, self.switched, self.failed = t.ready, t.switched, t.failed
         self.machines: dict[str, MachineWorkers] = {}
         self.executor = InMemoryExecutor(self.machines, lambda: role_holders(self.state), timeout_s)
+        self.executor.on_commit = self._reach
         try:
             for machine in config.cluster.machines:
                 self._spawn_machine(machine)
@@ -244,6 +244,12 @@ class LocalJob:
                     if self.procs[ref].wait(timeout=self.timeout_s) != 0:
                         raise
 
+    def _reach(self, step: int) -> None:
+        """A switch step past the hold: every rank may train up to it, and the step after
+        (the executor measures the downtime on that one)."""
+        if self.limit < step:
+            self.set_limit(step + 1)
+
     def wait_step(
         self, step: int, machines: Iterable[str] | None = None, timeout_s: float | None = None
     ) -> None:
@@ -337,16 +343,11 @@ class LocalJob:
         larger of the previous one and the step after `at_step` (the executor measures the
         downtime on it). Without it, the executor picks the
         switch step (`margin` steps past the furthest rank once phase 1 is ready), and
-        training never waits for the plan."""
+        training never waits for the plan: a job held short of that step is let run to
+        it (phase 1 may last longer than the steps the hold left)."""
         current = self.current_step()
         if at_step is not None and at_step < current:
             raise ValueError(f"step {at_step} is already past")
-        furthest = current + margin * 2**COMMIT_ROUNDS
-        if at_step is None and self.limit < furthest:
-            raise ValueError(
-                f"the job is held at step {self.limit}: a switch step the executor picks "
-                f"may lie up to step {furthest}; raise the limit or pass at_step"
-            )
         plan = self.make_plan(moves, full=full)
         self.log.info(
             "plan", plan_id=plan.plan_id, moves=moves, delta=[g.name for g in plan.groups]
