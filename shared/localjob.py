@@ -245,8 +245,7 @@ class LocalJob:
                         raise
 
     def _reach(self, step: int) -> None:
-        """A switch step past the hold: every rank may train up to it, and the step after
-        (the executor measures the downtime on that one)."""
+        """A switch step past the hold: let every rank train to it and the one after."""
         if self.limit < step:
             self.set_limit(step + 1)
 
