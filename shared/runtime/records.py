@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from nats import errors as nats_errors
 from nats.aio.client import Client as NatsClient
 from nats.js.errors import (
     NotFoundError,
@@ -98,19 +100,35 @@ class NatsRecordStore:
             return 0
         return sum(info.size or 0 for info in infos if not info.deleted)
 
-    async def _guarded(self, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    async def _guarded(self, work: Callable[[], Coroutine[Any, Any, T]], wait: bool = False) -> T:
         """`work`, raising PermissionDenied as soon as the server refuses one of its
-        JetStream calls or object publishes (nats-py alone would wait for a timeout)."""
+        JetStream calls or object publishes (nats-py alone would wait for a timeout).
+        With `wait`, a JetStream that does not answer for a while (a stream electing its
+        leader, a server restarting) is waited out within the call's time: a standby's
+        read, which no training waits for, that would otherwise leave it cold."""
         if self._nc is None:
             self._nc = await bus.connect(self.url, self.client_name, auth=self.auth)
         subjects = ["$JS.API.>", *obj_subjects(self.bucket)]
-        return await denials.of(self._nc).guard(work(), subjects)
+        deadline = time.monotonic() + 0.8 * self.timeout_s
+        pause = 0.25
+        while True:
+            try:
+                return await denials.of(self._nc).guard(work(), subjects)
+            except (nats_errors.TimeoutError, nats_errors.NoRespondersError):
+                if not wait or time.monotonic() + pause > deadline:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 2.0)
 
     def put(self, key: str, data: bytes) -> None:
         self._run(self._guarded(lambda: self._put(key, data)))
 
+    def reconnecting(self) -> bool:
+        """Whether the connection lost its server and is trying to get one back."""
+        return self._nc is not None and self._nc.is_reconnecting
+
     def get(self, key: str) -> bytes | None:
-        return self._run(self._guarded(lambda: self._get(key)))
+        return self._run(self._guarded(lambda: self._get(key), wait=True))
 
     def size_bytes(self) -> int:
         """Bytes of the recordings themselves (not JetStream's chunk overhead)."""

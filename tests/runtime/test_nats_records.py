@@ -4,6 +4,8 @@ it and whose standby's shadow iterations replay from it."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from trainmover.localjob import LocalJob
+from trainmover.natsserver import EmbeddedNats
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.layout import Layout
 from trainmover.runtime.records import NatsRecordStore, open_record_store
@@ -125,3 +128,27 @@ def test_live_ranks_record_into_nats_and_a_standby_replays_from_it(
     assert all(t.shape == shape for t in (*first.values(), *last.values()))
     print(f"record store: {size} bytes in bucket TM_{job}_RECORDS")
     assert size == sum(len(data) for data in stored) > 4 * torch.Size(shape).numel() * 4
+
+
+def test_a_standby_read_waits_out_a_bus_that_is_down_for_a_while(tmp_path: Path) -> None:
+    """A read made while the server is down (restarting) returns the recording once the
+    server is back, instead of failing the standby's warm-up on the first timeout."""
+    server = EmbeddedNats(store_dir=tmp_path / "js").start()
+    store = NatsRecordStore(server.url, JobSubjects("outage").records_bucket, "t", timeout_s=60)
+    try:
+        store.put("last.pt", b"recorded")
+        server.stop(kill=True)
+        deadline = time.monotonic() + 30
+        while not store.reconnecting():  # the client has seen the server go
+            assert time.monotonic() < deadline, "the client never noticed the outage"
+            time.sleep(0.05)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            read = pool.submit(store.get, "last.pt")  # JetStream cannot answer now
+            # Longer than one JetStream request's timeout (5 s): the read must not end.
+            done, _ = concurrent.futures.wait([read], timeout=7.0)
+            assert not done, f"the read ended while the bus was down: {read.exception()}"
+            server.start()
+            assert read.result(timeout=60) == b"recorded"
+    finally:
+        store.close()
+        server.cleanup()
