@@ -11,6 +11,11 @@ slices instead. An abandoned p2p wait ends when its group is shut down. The sign
 vote *epoch* it applies to (see `agreement.py`), so a late abort for an old epoch can
 never hit the epoch that a recovery started. An abandoned work is never waited again and
 its buffers are never reused; its group is marked dirty and rebuilt by the recovery.
+
+A library that waits on a work's *future* in C++ (DDP's reducer, at the end of the
+backward pass) never comes back to Python between slices: the future it gets is one the
+signal completes with an error when the epoch is aborted (`AbortSignal.guard`), so it
+leaves the step as promptly as a wait of our own.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Any
+
+import torch
 
 #: Longest time between two checks of the abort signal while a collective is blocked.
 POLL_S = 0.05
@@ -83,6 +90,43 @@ class Waiter:
 WAITER = Waiter()
 
 
+class _GuardedFuture:
+    """`outer` completes once, with whichever comes first: `inner`'s outcome, or an
+    abort. The outcome is set on a source future that `outer` is chained to: a Python
+    `set_exception` alone leaves a C++ waiter a value, not an error, while a raising
+    callback of `then` fails the chained future for C++ too."""
+
+    def __init__(self, inner: torch.futures.Future[Any]) -> None:
+        self._source: torch.futures.Future[Any] = torch.futures.Future()
+        self.outer = self._source.then(_outcome)
+        self._lock = threading.Lock()
+        inner.add_done_callback(self._inner_done)
+
+    @property
+    def done(self) -> bool:
+        return self._source.done()
+
+    def _inner_done(self, inner: torch.futures.Future[Any]) -> None:
+        try:
+            value = inner.value()
+        except Exception as exc:  # the work's own error, handed on as it is
+            self._settle(self._source.set_exception, exc)
+            return
+        self._settle(self._source.set_result, value)
+
+    def abort(self, message: str) -> None:
+        self._settle(self._source.set_exception, StepAborted(message))
+
+    def _settle(self, complete: Callable[[Any], None], outcome: Any) -> None:
+        with self._lock:
+            if not self._source.done():
+                complete(outcome)
+
+
+def _outcome(source: torch.futures.Future[Any]) -> Any:
+    return source.value()  # raises the exception the source was set with
+
+
 class AbortSignal:
     """Whether this rank's current epoch is aborted. Set from any thread (the commit
     vote watcher, the control reader, a failing collective); read by the training thread
@@ -100,6 +144,8 @@ class AbortSignal:
         #: the progress board can name whoever holds the step back long before the
         #: timeout (`trainmover.runtime.progress`).
         self.on_wait: Callable[[float], None] | None = None
+        #: Futures handed to libraries for the current epoch, failed by its abort.
+        self._guarded: list[_GuardedFuture] = []
 
     @property
     def epoch(self) -> str:
@@ -123,13 +169,34 @@ class AbortSignal:
             if self._reason is None:
                 self._reason = reason
             self._cond.notify_all()
-            return True
+            guarded, self._guarded = self._guarded, []
+            message = f"step aborted ({self._reason})"
+        # Outside the lock: failing a future runs the library's callbacks here.
+        for future in guarded:
+            future.abort(message)
+        return True
 
     def reset(self, epoch: str) -> None:
         """A recovery starts `epoch`: clear the abort of the previous one."""
         with self._cond:
             self._epoch, self._reason = epoch, None
+            self._guarded = []
             self._cond.notify_all()
+
+    def guard(self, inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
+        """A future with `inner`'s outcome, or failed with StepAborted's message once
+        the epoch is aborted before `inner` completes (for a waiter in C++, which the
+        sliced waits cannot reach). CPU works only: a CUDA future carries stream
+        events that a plain future would drop."""
+        guarded = _GuardedFuture(inner)
+        with self._cond:
+            aborted = self._reason
+            if aborted is None:
+                self._guarded = [g for g in self._guarded if not g.done]
+                self._guarded.append(guarded)
+        if aborted is not None:
+            guarded.abort(f"step aborted ({aborted})")
+        return guarded.outer
 
     def fail(self, error: CollectiveError) -> None:
         """A collective of this rank failed: report it (once per epoch) and abort."""

@@ -24,7 +24,7 @@ abort signal, as for the runtime's own collectives. The works handed out are
 `RuntimeWork`s: their `wait()` (what `dist.*` calls, functional collectives'
 `wait_tensor` and DDP's start-up checks make) goes through the rank's abort signal in
 slices, so a rank blocked on a peer that will never post gets out once the epoch is
-aborted; a send or receive is waited by the `Waiter` (gloo gives a p2p work no future,
+aborted, and so does a library waiting on a work's future in C++ (DDP's reducer); a send or receive is waited by the `Waiter` (gloo gives a p2p work no future,
 and its own timed wait would close the pair), and a receive is seen by the group's
 recording tap once complete.
 """
@@ -128,7 +128,10 @@ class RuntimeWork(dist.Work):
     def get_future(self) -> Any:
         if self._pending is not None:
             raise UnsupportedCollective("a send or receive has no future: wait() it")
-        return self._work.get_future()
+        future = self._work.get_future()
+        if isinstance(self._group.backend, dist.ProcessGroupGloo):
+            return self._group.signal.guard(future)
+        return future
 
     def exception(self) -> Any:
         return None if self._pending is not None else self._work.exception()

@@ -197,7 +197,7 @@ async def test_alertmanager_webhook_drains_and_a_resolved_alert_emits_nothing(
             alertmanager.post(alert("GPUXidError", marker, datetime.now(UTC)))
             after = await next_event(items)
             assert isinstance(after, FailureEvent), after
-            assert (after.machine, after.source) == (marker, "alertmanager")
+            assert (after.machine, after.source) == (marker, "alertmanager"), after.reason
 
     status, body = http("GET", f"http://127.0.0.1:{port}{ports.METRICS_PATH}")
     scraped = parse_text(body.decode())

@@ -29,6 +29,8 @@ from trainmover.runtime.plan import GroupSpec, RankRef
 
 STEPS, SWAP_AFTER = 6, 3
 CPU = torch.device("cpu")
+#: The waits `abort_a_wait` aborts (test_c10d.py parametrises over them).
+ABORTED = ("all_reduce", "reduce_scatter", "ddp_backward")
 
 
 def spec(name: str, kind: str, generation: int, ranks: list[int]) -> GroupSpec:
@@ -86,19 +88,27 @@ def point_to_point(pg: dist.ProcessGroup, group: Group, rank: int) -> dict[str, 
 
 
 def abort_a_wait(store: dist.Store, rank: int, collective: str) -> dict[str, object]:
-    """Rank 0 posts `collective` ("all_reduce", or "reduce_scatter": gloo gives its work
-    no future, and its timed wait blocks for the group's whole timeout) over a group whose
-    other member never does (and stays alive); its abort signal, set from another thread,
-    ends the wait."""
+    """Rank 0 posts `collective` ("all_reduce"; "reduce_scatter": gloo gives its work
+    no future, and its timed wait blocks for the group's whole timeout; "ddp_backward":
+    DDP's reducer waits on its bucket's future in C++) over a group whose other member
+    never does (and stays alive); its abort signal, set from another thread, ends the
+    wait."""
     me = RankRef(machine=f"m{rank}", local_rank=0)
     signal = AbortSignal("e0", 60)
     name = f"abort.{collective}"
     group = build_group(spec(name, "dp", 0, [0, 1]), me, store, "j", CPU, 60, signal)
     pg = SwappableGroup(name, rank, 2, lambda: group)
     register(pg, [0, 1], store)
+    ddp = DDP(make_model(), process_group=pg) if collective == "ddp_backward" else None
 
     def post(backend: bool) -> None:
-        if collective == "all_reduce":
+        if ddp is not None:
+            if backend:  # the one bucket of the model's gradients, as DDP reduces it
+                size = sum(p.numel() for p in ddp.parameters())
+                group.backend.allreduce([torch.zeros(size)]).wait()
+            else:
+                ddp(torch.ones(4, 8)).square().mean().backward()
+        elif collective == "all_reduce":
             if backend:
                 group.backend.allreduce([torch.ones(2)]).wait()
             else:
@@ -115,7 +125,7 @@ def abort_a_wait(store: dist.Store, rank: int, collective: str) -> dict[str, obj
         started = time.monotonic()
         try:
             post(backend=False)
-        except StepAborted as exc:
+        except (StepAborted, RuntimeError) as exc:  # DDP's reducer raises its own
             outcome = {"error": str(exc), "seconds": time.monotonic() - started}
         outcome["dirty"] = group.dirty
         store.set(f"{name}/done", "1")
@@ -185,7 +195,7 @@ def main(rank: int, size: int, port: int, out: str) -> int:
             result["p2p"] = point_to_point(pgs_a.get("dp"), swapped["dp"], rank)
     result["a"] = {n: p.detach().clone() for n, p in a.module.named_parameters()}
     result["b"] = {n: p.detach().clone() for n, p in b.module.named_parameters()}
-    result["aborted"] = {c: abort_a_wait(store, rank, c) for c in ("all_reduce", "reduce_scatter")}
+    result["aborted"] = {c: abort_a_wait(store, rank, c) for c in ABORTED}
     torch.save(result, out)
     for t in (swapped, steady):
         t.shutdown()

@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from tests.runtime.c10d_rank import ABORTED
+
 SIZE = 2
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +88,7 @@ def test_sends_and_receives_over_the_c10d_group_arrive_and_are_tapped(ranks):
     assert ranks[0]["p2p"]["tapped"] == []  # a sender records nothing
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("collective", ABORTED)
 def test_a_c10d_wait_on_a_peer_that_never_posts_ends_with_the_abort(ranks, collective):
     aborted = ranks[0]["aborted"][collective]
     assert "a peer is gone" in aborted["error"]
