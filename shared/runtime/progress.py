@@ -23,7 +23,10 @@ A rank that has not voted for k is
 - *silent* when its counter did not move (the whole process is stopped, or cut off
   from the store): a culprit;
 - *computing* when it is not waiting in a collective (spinning outside any collective,
-  stuck in its own code) and past its first step of the epoch: a culprit;
+  stuck in its own code) and past its first step of the epoch, in both reads and at
+  the same step: a culprit;
+- *progressing* when it would be computing but moved between the two reads (it left a
+  wait, or began another step): not named;
 - *starved* when it would be computing but its training thread spent most of the time
   between the two reads runnable and waiting for a CPU (an overloaded host, not a hung
   rank): not named; the judgement comes again at the next threshold;
@@ -95,6 +98,11 @@ class Entry:
     queued: float = 0.0
 
     @property
+    def progress(self) -> tuple[str, int, int]:
+        """What moves while the rank trains: (epoch, step in flight, steps done)."""
+        return (self.epoch, self.step, self.done)
+
+    @property
     def ref(self) -> str:
         return f"{self.machine}/{self.local_rank}"
 
@@ -129,8 +137,8 @@ def judge(
     between_s: float = 0.0,
 ) -> tuple[dict[str, list[int]], dict[int, str]]:
     """Pure: culprit machine -> ranks, and rank -> what each rank that has not voted for
-    `step` in `epoch` is doing ("silent", "computing", "starved", "blocked", "waiting"),
-    from two reads `between_s` apart."""
+    `step` in `epoch` is doing ("silent", "computing", "progressing", "starved",
+    "blocked", "waiting"), from two reads `between_s` apart."""
     culprits: dict[str, list[int]] = {}
     doing: dict[int, str] = {}
     voted = {e.ref for e in second.values() if e is not None and e.voted_for(epoch, step)}
@@ -143,7 +151,10 @@ def judge(
         if before is not None and before.counter == now.counter:
             doing[rank] = "silent"
         elif not now.waiting and now.done > 0:
-            starved = before is not None and now.queued - before.queued >= STARVED * between_s
+            if before is None or before.waiting or before.progress != now.progress:
+                doing[rank] = "progressing"
+                continue
+            starved = now.queued - before.queued >= STARVED * between_s
             doing[rank] = "starved" if starved and between_s > 0 else "computing"
             if doing[rank] == "starved":
                 continue

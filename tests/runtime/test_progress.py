@@ -52,6 +52,13 @@ def test_judge_names_frozen_and_computing_ranks_not_their_victims() -> None:
     culprits, doing = judge("e1", 8, first, second)
     assert culprits == {"m1": [2, 3], "m2": [4]}
     assert doing == {2: "silent", 3: "silent", 4: "computing", 5: "waiting", 7: "starting"}
+    # Outside a collective in the second read only, or a step further on: it moves.
+    left_a_wait = {**second, 4: _entry("m2", 7, False, 5), 5: _entry("m2", 7, False, 5)}
+    culprits, doing = judge("e1", 8, {**first, 5: _entry("m2", 7, True, 3)}, left_a_wait)
+    assert culprits == {"m1": [2, 3], "m2": [4]} and doing[5] == "progressing"
+    one_more = {**second, 4: _entry("m2", 7, False, 5, done=4)}
+    culprits, doing = judge("e1", 8, first, one_more)
+    assert culprits == {"m1": [2, 3]} and doing[4] == "progressing"
     # A vote of an earlier epoch is not a vote of this one.
     stale = {0: _entry("m0", 9, True, 1, epoch="e0")}
     assert judge("e1", 8, stale, stale)[0] == {"m0": [0]}
@@ -235,7 +242,15 @@ def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
     with _boards(3) as boards:
         boards[0].progress.voted = 5
         boards[2].progress.done = 2  # past its first step: judged as computing
-        _until(lambda: None not in boards[0].read().values(), "entry of every rank")
+
+        def written() -> bool:
+            entries = boards[0].read()
+            computing = entries[2]
+            return None not in entries.values() and (
+                computing is not None and computing.progress == ("e0", 5, 2)
+            )
+
+        _until(written, "entry of every rank")
         boards[1].close()  # a stopped process: its entry stays as it was
         stall = None
         while stall is None:  # entries appear within one interval
