@@ -239,6 +239,9 @@ class ProgressBoard:
             }
             try:
                 with self._lock:
+                    # A beat held up past `leave` must not write back the entry it deleted.
+                    if self._closed.is_set():
+                        return
                     self._store.set(self.key(self.rank), json.dumps(entry))
             except RuntimeError:
                 pass  # the store is away: the judge then sees this rank frozen
