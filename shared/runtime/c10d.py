@@ -24,9 +24,10 @@ abort signal, as for the runtime's own collectives. The works handed out are
 `RuntimeWork`s: their `wait()` (what `dist.*` calls, functional collectives'
 `wait_tensor` and DDP's start-up checks make) goes through the rank's abort signal in
 slices, so a rank blocked on a peer that will never post gets out once the epoch is
-aborted, and so does a library waiting on a work's future in C++ (DDP's reducer); a send or receive is waited by the `Waiter` (gloo gives a p2p work no future,
-and its own timed wait would close the pair), and a receive is seen by the group's
-recording tap once complete.
+aborted, and so does a library waiting on a work's future in C++ (DDP's reducer); a
+send or receive is waited by the `Waiter` (gloo gives a p2p work no future, and its own
+timed wait would close the pair), and a receive is seen by the group's recording tap
+once complete.
 """
 
 from __future__ import annotations
