@@ -10,6 +10,7 @@ for it):
                              "s": step in flight, "v": last step voted,
                              "w": waiting in a collective, "o": the ranks it waits on,
                              "q": the training thread's seconds waiting for a CPU,
+                             "p": all its threads' seconds waiting for a CPU,
                              "n": a counter that grows with every write}
 
 A rank that has waited longer than `threshold` (a few times the recent median step,
@@ -32,7 +33,9 @@ A rank that has not voted for k is
   rank): not named; the judgement comes again at the next threshold;
 - *blocked* when it waits in a collective on ranks that have all voted for k (they
   left the step; nobody will ever answer it: a deadlocked worker, or its side of the
-  link lost the data): a culprit;
+  link lost the data): a culprit; unless its process's threads spent most of the time
+  between the reads waiting for a CPU: the answer may be in its socket with the thread
+  that would read it queued (starved, not named; judged again at the next threshold);
 - *waiting* in a collective otherwise: a victim of a culprit (its peer holds it back).
 
 The machines of the culprits are reported (a `StallEvent`) through the sidecar to the
@@ -51,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainmover.runtime.control import StallEvent
-from trainmover.runtime.steptime import WAITS, SchedStat
+from trainmover.runtime.steptime import WAITS, SchedStat, process_run_queue_s
 from trainmover.runtime.storeclient import Store
 
 #: How often each rank rewrites its entry on the board.
@@ -63,8 +66,9 @@ MIN_HISTORY = 3
 #: (two did: a healthy machine was named silent). The first read is taken that long
 #: before the threshold, so the verdict still comes at the threshold.
 GAP_BEATS = 4
-#: The share of the time between the two reads that a rank not waiting in a collective
-#: spent waiting for a CPU, from which it is starved rather than computing.
+#: The share of the time between the two reads spent waiting for a CPU (by the training
+#: thread of a rank outside any collective, by the threads of a blocked rank's process)
+#: from which a rank is starved rather than computing or blocked.
 STARVED = 0.5
 
 
@@ -96,6 +100,8 @@ class Entry:
     on: tuple[str, ...] = ()
     #: Seconds its training thread has waited for a CPU (a monotonic total).
     queued: float = 0.0
+    #: Seconds all threads of its process have waited for a CPU (summed).
+    process_queued: float = 0.0
 
     @property
     def progress(self) -> tuple[str, int, int]:
@@ -124,6 +130,7 @@ class Entry:
                 int(d.get("l", 0)),
                 tuple(str(r) for r in d.get("o", ())),
                 float(d.get("q", 0.0)),
+                float(d.get("p", 0.0)),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -159,7 +166,11 @@ def judge(
             if doing[rank] == "starved":
                 continue
         elif now.waiting and now.on and set(now.on) <= voted and before and before.on == now.on:
-            doing[rank] = "blocked"  # the same wait in both reads, on ranks that left
+            # The same wait in both reads, on ranks that left.
+            starved = now.process_queued - before.process_queued >= STARVED * between_s
+            doing[rank] = "starved" if starved and between_s > 0 else "blocked"
+            if doing[rank] == "starved":
+                continue
         else:
             # Waiting on someone else, or still in its first step of the epoch.
             doing[rank] = "waiting" if now.waiting else "starting"
@@ -234,6 +245,7 @@ class ProgressBoard:
                 "w": WAITS.is_waiting(self._training_thread),
                 "o": WAITS.waiting_on(self._training_thread),
                 "q": round(self._training_sched.run_queue_s(), 4),
+                "p": round(process_run_queue_s(), 4),
                 "n": self._counter,
                 "f": p.done,
             }

@@ -83,6 +83,25 @@ def run_queue_s() -> float:
     return _own.schedstat.run_queue_s()
 
 
+def process_run_queue_s() -> float:
+    """Seconds all live threads of this process have spent runnable but waiting for a
+    CPU (summed); 0.0 where the kernel does not say. A rank waiting in a collective has
+    its training thread asleep: whether the data it waits for is being delivered shows in
+    the run-queue delay of the library's I/O threads, not in the training thread's."""
+    total = 0.0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended meanwhile
+    return total
+
+
 #: Thread id -> how many waits it is inside now (read by other threads: the progress
 #: beacon tells whether the training thread waits in a collective).
 _INSIDE: dict[int, int] = {}

@@ -100,6 +100,12 @@ def test_a_rank_waiting_on_peers_that_left_the_step_is_blocked_not_a_victim() ->
     # The wait changed between the reads: not judged blocked on one sighting.
     moved = {**first, 1: at("m0", 1, 7, 1, on=("m1/0",))}
     assert judge("e1", 8, moved, second)[0] == {}
+    # Its threads queued for a CPU most of the time between the reads: the answer may be
+    # in its socket, unread. Judged again later, not named now.
+    starved = {**second, 1: Entry(**{**second[1].__dict__, "process_queued": 0.6})}
+    culprits, doing = judge("e1", 8, first, starved, between_s=1.0)
+    assert culprits == {} and doing[1] == "starved"
+    assert judge("e1", 8, first, starved, between_s=2.0)[0] == {"m0": [1]}
 
 
 def test_the_threshold_follows_the_median_step_above_a_floor() -> None:

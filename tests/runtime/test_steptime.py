@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainmover.runtime.steptime import WAITS, StepTimer, run_queue_s
+from trainmover.runtime.steptime import WAITS, StepTimer, process_run_queue_s, run_queue_s
 
 HAS_SCHEDSTAT = Path("/proc/thread-self/schedstat").exists()
 
@@ -92,3 +92,38 @@ def test_run_queue_delay_is_not_compute() -> None:
     assert step.compute_s < 0.75 * step.seconds
     assert step.compute_s < 1.5 * cpu_s + 0.05
     assert step.compute_s == pytest.approx(step.seconds - step.queued_s)
+
+
+@pytest.mark.skipif(not HAS_SCHEDSTAT, reason="the kernel reports no run-queue delay here")
+def test_the_process_run_queue_delay_counts_threads_other_than_the_caller() -> None:
+    """The caller sleeps while another thread of the process shares its one CPU with a
+    busy process: the process's run-queue delay grows by that thread's, the caller's own
+    does not (a rank asleep in a collective, its I/O thread queued)."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    queued: list[float] = []
+    burnt, leave = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        started = run_queue_s()
+        _burn(0.3)
+        queued.append(run_queue_s() - started)
+        burnt.set()
+        leave.wait()  # alive while the caller reads the sum
+
+    thread = threading.Thread(target=worker)
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        mine, process = run_queue_s(), process_run_queue_s()
+        thread.start()
+        assert burnt.wait(60)
+        mine, process = run_queue_s() - mine, process_run_queue_s() - process
+    finally:
+        leave.set()
+        thread.join()
+        hog.kill()
+        hog.wait()
+    assert queued[0] > 0.1  # the hog took a fair share of the CPU
+    assert process >= queued[0]
+    assert mine < queued[0] / 2
