@@ -107,7 +107,8 @@ class Soak:
         t0 = time.monotonic()
         say(
             f"chaos soak: seed {self.seed}, {self.s.duration_s:.0f}s, at most "
-            f"{self.s.max_faults} faults of {', '.join(self.s.kinds)}; workdir {self.workdir}"
+            f"{self.s.max_faults} faults of {', '.join(self.s.kinds)}; workdir {self.workdir} "
+            "(services' logs in soak/logs, workers' in soak/run/*/logs)"
         )
         # The uninterrupted reference trains alongside the soak (the same job and seed,
         # until told where to stop), so the comparison at the end does not wait for a
@@ -135,6 +136,8 @@ class Soak:
             nats_cluster=self.s.nats_cluster,
             # Two replicas of the store when it is among the faults (one is killed).
             store_replicas=2 if "store_kill" in self.s.kinds else 0,
+            # Who failed a machine is in the services' logs: kept with the workers'.
+            log_dir=self.workdir / "soak" / "logs",
         )
         async with cluster:
             observer = await Observer(cluster).start()

@@ -8,8 +8,9 @@ reduce-scatter is in flight: every survivor discards the step (FSDP2's per-itera
 state reset), and m1's joiner gets its shard from m3, the replica of the same shard.
 With tensor parallelism (TP2) and pure FSDP at DP=2, a planned move hands over the
 shards of DTensor-parallel weights, and a failure, with no replica, falls back to the
-last checkpoint. With pipeline parallelism (PP2 x FSDP2, 1F1B), a leaver in each stage
-and a failure in a pipeline receive. Every run dumps every role's full state at the
+last checkpoint. With pipeline parallelism (PP2 x FSDP2, 1F1B), alone and in the 3-D
+layout TP2 x PP2 x FSDP2 (4 machines of 2 ranks), a leaver in each stage and a failure in
+a pipeline receive. Every run dumps every role's full state at the
 last step; the moved runs must be bit-identical to the uninterrupted ones.
 """
 
@@ -133,18 +134,25 @@ PP = HSDP.with_updates(
     layout={"tp": 1, "pp": 2, "dp": 2, "dp_shard": 2},
     runtime={"checkpoint_every": 2},
 )
+#: The 3-D layout of torchtitan's recipes, small: TP2 inside each machine (2 ranks), PP2
+#: across machines, FSDP2 over the two pipelines; 4 machines, 8 ranks.
+TP_PP_FSDP = PP.with_updates(layout={"tp": 2, "pp": 2, "dp": 2, "dp_shard": 2})
 PP_FAULT = ("m2", 7, "pp-recv")
 
 
-def test_a_pipeline_with_a_leaver_in_each_stage_ends_bit_identical(tmp_path: Path) -> None:
-    """PP2 x FSDP2 (1F1B, two micro-batches): a planned move out of stage 0 (m0), then
-    out of stage 1 (m3, the other pipeline); the joiner's fresh schedule and its stayers'
-    redo the first-step handshake together. Then m2 dies in a pipeline receive: pure FSDP
-    has no replica, so every rank reloads the last checkpoint and restarts its schedule."""
-    reference = _reference(PP, tmp_path / "ref")
+@pytest.mark.parametrize("config", [PP, TP_PP_FSDP], ids=["pp2-fsdp2", "tp2-pp2-fsdp2"])
+def test_a_pipeline_with_a_leaver_in_each_stage_ends_bit_identical(
+    config: JobConfig, tmp_path: Path
+) -> None:
+    """PP2 x FSDP2 (1F1B, two micro-batches), alone and under DTensor TP2: a planned move
+    out of stage 0 (m0), then out of stage 1 (m3, the other pipeline); the joiner's fresh
+    schedule and its stayers' redo the first-step handshake together. Then m2 dies in a
+    pipeline receive: pure FSDP has no replica, so every rank reloads the last checkpoint
+    and restarts its schedule."""
+    reference = _reference(config, tmp_path / "ref")
     machine, step, point = PP_FAULT
     with LocalJob.launch(
-        PP, tmp_path / "moved", standbys=3, entry=ENTRY, timeout_s=WAIT_S, limit=2,
+        config, tmp_path / "moved", standbys=3, entry=ENTRY, timeout_s=WAIT_S, limit=2,
         extra_env={"TM_TEST_FAULT": f"{machine}@{step}:{point}"},
     ) as job:  # fmt: skip
         job.wait_step(2)
@@ -162,5 +170,6 @@ def test_a_pipeline_with_a_leaver_in_each_stage_ends_bit_identical(tmp_path: Pat
     for answer in warmed.values():
         # The warm-up vote and the stage's activations and gradients, answered locally.
         assert answer.error == "" and answer.synthesized + answer.replayed >= 2
-    roles = [f"d{d}p{p}t0" for d in range(2) for p in range(2)]
+    lay = config.layout
+    roles = [f"d{d}p{p}t{t}" for d in range(lay.dp) for p in range(lay.pp) for t in range(lay.tp)]
     assert_bit_identical(moved, reference, roles)
