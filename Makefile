@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install system-deps test demo bench lint schemas clean
+.PHONY: install system-deps test test-long demo bench lint schemas clean
 
 # The Python environment and the Debian programs the tests run (tools/system-deps.sh).
 install: $(STAMP) system-deps
@@ -24,9 +24,16 @@ $(STAMP): pyproject.toml setup.py
 
 # One pytest-xdist stream per core, at most 4: the end-to-end tests wait on real time
 # (jobs training, detection windows) more than they compute. TEST_STREAMS=0: one process.
+# `test` leaves out the tests marked long (whole-product scenarios of minutes each:
+# demos, soaks, benchmark smokes, bus and store faults); `test-long` runs only those.
+# CI runs both.
 TEST_STREAMS ?= auto
+PYTEST := $(PY) -m pytest -q -n $(TEST_STREAMS) --maxprocesses=4 --dist loadgroup --no-loadscope-reorder
 test: install
-	$(PY) -m pytest -q -n $(TEST_STREAMS) --maxprocesses=4 --dist loadgroup --no-loadscope-reorder
+	$(PYTEST) -m "not long"
+
+test-long: install
+	$(PYTEST) -m long
 
 demo: $(STAMP)
 	$(VENV)/bin/trainmover demo --json demo.json

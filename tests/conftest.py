@@ -1,8 +1,9 @@
 """Shared fixtures: a real embedded nats-server per test session, a fresh job per test.
 
-`make test` runs the suite as parallel pytest-xdist streams (`--dist loadgroup`): tests
-that share an expensive session or module fixture (a reference run, a bus cluster) are
-put in one group, so that one stream builds it once.
+`make test` (and `make test-long`, the tests marked long) runs the suite as parallel
+pytest-xdist streams (`--dist loadgroup`): tests that share an expensive session or
+module fixture (a reference run, a bus cluster) are put in one group, so that one stream
+builds it once.
 """
 
 from __future__ import annotations

@@ -153,9 +153,9 @@ class ServicesJob:
 
     def settle(self, warm_steps: int, returned: bool = True) -> int:
         """Until no migration is in flight, a warm standby is free and (`returned`) every
-        machine not active is a warm standby again (no start-up or warm-up left to
-        disturb the step period on shared cores), then `warm_steps` more steps. Returns
-        the first of those steps."""
+        machine not active is a standby that has warmed (no start-up or shadow iterations
+        left to disturb the step period on shared cores), then `warm_steps` more steps.
+        Returns the first of those steps."""
         return self._call(self._settle(warm_steps, returned))
 
     async def _settle(self, warm_steps: int, returned: bool) -> int:
@@ -167,7 +167,10 @@ class ServicesJob:
                 not s.in_flight
                 and names <= set(s.machines)
                 and any(m.status == "standby" and m.warm_role_types for m in others)
-                and (not returned or all(m.status == "standby" for m in others))
+                and (
+                    not returned
+                    or all(m.status == "standby" and m.warm_role_types for m in others)
+                )
             )
 
         state = await self.cluster.wait_state(quiet, self.timeout_s)

@@ -19,7 +19,7 @@ from trainmover.bench.example_jobs import example_config
 from trainmover.runtime.config import save_config
 from trainmover.runtime.layout import Layout
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 
 EVERY, STOP, END = 2, 2, 4
 

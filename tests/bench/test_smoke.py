@@ -79,6 +79,7 @@ def check_outputs(json_path: Path) -> dict[str, Any]:
 
 
 # About 25 process starts (every system, each event's fresh standby) on 2 shared cores.
+@pytest.mark.long
 @pytest.mark.timeout(1200)
 def test_downtime(tmp_path: Path) -> None:
     out = tmp_path / "downtime.json"
@@ -107,6 +108,7 @@ def test_downtime(tmp_path: Path) -> None:
 
 
 # The stack of trainmover up with one standby, and one window pair.
+@pytest.mark.long
 @pytest.mark.timeout(1200)
 def test_rebalance(tmp_path: Path) -> None:
     out = tmp_path / "rebalance.json"
@@ -121,6 +123,7 @@ def test_rebalance(tmp_path: Path) -> None:
     assert all(len(w["migrations"]) == 1 for w in data["runs"]["with"])
 
 
+@pytest.mark.long
 def test_scale(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     assert bench_main(["scale", "--json", str(out), "--worlds", "4", "8", "--repeats", "1"]) == 0
@@ -135,6 +138,7 @@ def test_scale(tmp_path: Path) -> None:
         assert isinstance(p["delta_setup_s"], float)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_store(tmp_path: Path) -> None:
     out = tmp_path / "store.json"

@@ -101,6 +101,7 @@ def test_the_projection_uses_the_large_sizes_ratio_and_the_fixed_part() -> None:
 
 
 # Two stacks of `trainmover up` (a drain, then a SIGKILL) and the raw link at 1 MiB.
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_state_smoke(tmp_path: Path) -> None:
     out = tmp_path / "state.json"

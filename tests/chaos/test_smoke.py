@@ -40,6 +40,7 @@ def test_a_bad_layout_is_one_clear_line() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2400)
 def test_two_faults_recovered_without_violations(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"

@@ -25,7 +25,7 @@ from trainmover.messages import Command, decode_event
 from trainmover.runtime.config import JobConfig
 from trainmover.subjects import JobSubjects
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 
 #: Seconds every active machine is slowed per step, so that the faults and their
 #: recoveries all fall within the run (no change to the result; all alike, so none is a

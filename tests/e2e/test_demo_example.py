@@ -17,7 +17,7 @@ import pytest
 
 from trainmover.demo import DemoReport, MigrationRow
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -15,7 +15,7 @@ from tests.e2e.conftest import TP1
 from tests.e2e.scenarios import drain_through_fault
 from trainmover.localcluster import LocalCluster as Cluster
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 
 #: The second drain's joiner must be s1: m1, drained first, stays in maintenance (back
 #: in a second, it would be a warm standby by the time a loaded host's planner decides

@@ -19,7 +19,7 @@ from tests.e2e.conftest import progress_reaches
 from trainmover import demo, demo_examples
 from trainmover.demo_examples import DemoJob
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 
 PIPELINE = DemoJob(
     name="llama-pp",

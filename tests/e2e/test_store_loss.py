@@ -15,7 +15,7 @@ from tests.e2e.conftest import TP1, WAIT_S, progress_reaches
 from trainmover.localcluster import LocalCluster
 from trainmover.runtime.config import JobConfig
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 
 
 @pytest.fixture

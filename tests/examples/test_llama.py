@@ -16,6 +16,8 @@ last step; the moved runs must be bit-identical to the uninterrupted ones.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +175,50 @@ def test_a_pipeline_with_a_leaver_in_each_stage_ends_bit_identical(
     lay = config.layout
     roles = [f"d{d}p{p}t{t}" for d in range(lay.dp) for p in range(lay.pp) for t in range(lay.tp)]
     assert_bit_identical(moved, reference, roles)
+
+
+# -- the same script under plain torchrun ---------------------------------------------------
+
+
+def _printed_losses(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("step ") and " loss " in line]
+
+
+def test_the_torchrun_script_and_its_trainmover_version_train_alike(tmp_path: Path) -> None:
+    """examples/llama/train.py under plain torchrun and train_trainmover.py under the
+    runtime, with the same settings (the plain script's defaults) at PP2 x FSDP2: the
+    losses each prints, step by step, are the same (the runtime changes no result)."""
+    steps = 4
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+         "-m", "trainmover.examples.llama.train", "--steps", str(steps), "--pp", "2",
+         "--dp-shard", "2"],
+        capture_output=True, text=True, timeout=WAIT_S,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    defaults = train.Settings()
+    config = PP.with_updates(
+        model={
+            "d_model": defaults.model.dim,
+            "n_layers": defaults.model.n_layers,
+            "n_heads": defaults.model.n_heads,
+            "vocab_size": defaults.model.vocab_size,
+            "mlp_ratio": defaults.model.ffn_dim // defaults.model.dim,
+            "seq_len": defaults.model.seq_len,
+        },
+        train={
+            "steps": steps,
+            "dump_steps": [],
+            "seed": defaults.seed,
+            "lr": defaults.lr,
+            "micro_batch_size": defaults.micro_batch_size,
+        },
+    )
+    assert train_trainmover.settings_from_job(config) == train.Settings(
+        steps=steps, pp=2, dp_shard=2
+    )
+    _reference(config, tmp_path / "tm")
+    printed = "".join(p.read_text() for p in sorted((tmp_path / "tm" / "logs").glob("m*.log")))
+    ours = _printed_losses(printed)
+    assert len(ours) == steps  # one rank prints: the last stage of data-parallel index 0
+    assert ours == _printed_losses(plain.stdout)
