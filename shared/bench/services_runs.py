@@ -168,8 +168,7 @@ class ServicesJob:
                 and names <= set(s.machines)
                 and any(m.status == "standby" and m.warm_role_types for m in others)
                 and (
-                    not returned
-                    or all(m.status == "standby" and m.warm_role_types for m in others)
+                    not returned or all(m.status == "standby" and m.warm_role_types for m in others)
                 )
             )
 
