@@ -1,6 +1,7 @@
 """What the chaos soak sees of a running local cluster, from the bus alone.
 
-The observer keeps the job's step timeline (from the step statistics), every machine's
+The observer keeps the job's step timeline (from the step statistics, each at the time
+its machine stamped it: a bus outage delays the statistics, not the steps), every machine's
 last heartbeat, the migration progress and the events, all from plain subscriptions
 (they resume by themselves after a nats-server restart). Every message wakes the waits,
 so `until` re-evaluates its predicate on each heartbeat (0.2 s on a local cluster)
@@ -44,7 +45,7 @@ class Observer:
     def __init__(self, cluster: LocalCluster) -> None:
         self.cluster = cluster
         self.job = cluster.job
-        #: (monotonic time, job step) each time the job's furthest step grew.
+        #: (the machine's stamp, job step) each time the job's furthest step grew.
         self.timeline: list[tuple[float, int]] = []
         self.steps: dict[str, int] = {}
         self.beats: dict[str, Heartbeat] = {}
@@ -85,7 +86,7 @@ class Observer:
             return
         self.steps[stats.machine] = max(self.steps.get(stats.machine, -1), stats.step)
         if not self.timeline or stats.step > self.timeline[-1][1]:
-            self.timeline.append((time.monotonic(), stats.step))
+            self.timeline.append((stats.ts, stats.step))
         await self._notify()
 
     async def _on_beat(self, msg: Msg) -> None:
@@ -118,8 +119,13 @@ class Observer:
     def job_step(self) -> int:
         return self.timeline[-1][1] if self.timeline else 0
 
+    @property
+    def last_step(self) -> tuple[float, int]:
+        """(stamp, step) of the job's furthest step; (0.0, 0) before any."""
+        return self.timeline[-1] if self.timeline else (0.0, 0)
+
     def step_time(self, window_s: float = 30.0) -> float:
-        """The recent normal step time: wall time over steps in the last `window_s`."""
+        """The recent normal step time: stamped time over steps in the last `window_s`."""
         if len(self.timeline) < 2:
             return 0.0
         end_t, end_step = self.timeline[-1]

@@ -61,8 +61,9 @@ class FaultRecord:
     step: int
     recovered: bool = False
     recovery_s: float | None = None
-    #: Training time lost in the fault's window: wall time minus steps done times the
-    #: normal step time measured before the fault.
+    #: Training time lost in the fault's window: the time between the stamps of the last
+    #: step before the fault and the first step past its recovery, less the steps done
+    #: meanwhile times the normal step time measured before the fault (`lost_time`).
     lost_s: float | None = None
     migration_downtime_s: list[float] = field(default_factory=list)
     migrations: list[str] = field(default_factory=list)
@@ -112,6 +113,14 @@ class SoakReport:
 
     def to_json(self) -> str:
         return json.dumps({"summary": self.summary(), **asdict(self)}, indent=2, default=str)
+
+
+def lost_time(before: tuple[float, int], after: tuple[float, int], step_s: float) -> float:
+    """Training time lost between two (stamp, step) points of the job's timeline: the
+    time between them less the steps done times the normal step. Stamps are the
+    machines' own, so a bus that delivers the statistics late adds nothing."""
+    (t0, s0), (t1, s1) = before, after
+    return round(max(0.0, (t1 - t0) - (s1 - s0) * step_s), 3)
 
 
 def _median(values: list[float]) -> float | None:

@@ -35,7 +35,13 @@ from trainmover.chaos.faults import (
 )
 from trainmover.chaos.invariants import check_accounting, check_replicas, dump_files
 from trainmover.chaos.observer import Observer
-from trainmover.chaos.report import FaultRecord, SoakReport, SoakSettings, print_summary
+from trainmover.chaos.report import (
+    FaultRecord,
+    SoakReport,
+    SoakSettings,
+    lost_time,
+    print_summary,
+)
 from trainmover.localcluster import FAST_SIGNALS, LocalCluster
 from trainmover.localjob import LocalJob
 from trainmover.logs import get_logger
@@ -190,7 +196,8 @@ class Soak:
 
     async def _one(self, ctx: FaultContext, index: int, kind: str, t0: float) -> FaultRecord:
         obs = ctx.observer
-        start_step, step_s, t_inject = obs.job_step, obs.step_time(), time.monotonic()
+        before, step_s, t_inject = obs.last_step, obs.step_time(), time.monotonic()
+        start_step = before[1]
         progress_before = len(obs.progress)
         record = FaultRecord(index, kind, None, "", round(t_inject - t0, 1), start_step)
         try:
@@ -214,8 +221,7 @@ class Soak:
             return record
         record.recovered = True
         record.recovery_s = round(time.monotonic() - t_inject, 2)
-        elapsed, done = time.monotonic() - t_inject, obs.job_step - start_step
-        record.lost_s = round(max(0.0, elapsed - done * step_s), 3) if step_s else None
+        record.lost_s = lost_time(before, obs.last_step, step_s) if step_s else None
         for p in obs.progress[progress_before:]:
             if p.state in ("done", "failed", "aborted", "retrying", "fallback"):
                 record.migrations.append(f"{p.state}: {p.leaver} -> {p.joiner}: {p.detail}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainmover.chaos.invariants import check_accounting, check_replicas, has_come_back
-from trainmover.chaos.report import SoakSettings
+from trainmover.chaos.report import SoakSettings, lost_time
 from trainmover.chaos.soak import soak_config
 from trainmover.messages import ClusterState, Heartbeat, MachineState, WorkerStatus
 from trainmover.runtime.layout import MachineRole
@@ -125,3 +125,12 @@ def test_a_returning_machine_taken_as_a_joiner_has_come_back() -> None:
     assert not has_come_back("active", was_away=False)
     assert not has_come_back("maintenance", was_away=True)
     assert not has_come_back("failed", was_away=True)
+
+
+def test_lost_time_is_the_stamped_gap_less_the_steps_done() -> None:
+    """From the machines' stamps: 10 steps of 0.1 s over 1.5 s lost 0.5 s; a window with
+    as many steps as its time allows lost nothing, and one faster than before, nothing
+    either (never negative)."""
+    assert lost_time((100.0, 50), (101.5, 60), 0.1) == 0.5
+    assert lost_time((100.0, 50), (101.0, 60), 0.1) == 0.0
+    assert lost_time((100.0, 50), (100.5, 60), 0.1) == 0.0
