@@ -6,7 +6,9 @@ migration (a drain through the client: a warm standby takes over the machine of 
 0) and failure (that machine's sidecar and workers SIGKILLed mid-step, detected by the
 system), through the services (`"control_plane": "services"`), then checkpoint-restart of the torchrun script (SIGKILL restarted
 by torch.distributed.elastic; save-and-restart). The wrapper's cost comes from the same
-runs: the steady step period of each system before its events (`step_time.*`).
+runs: the steady step period of each system before its events (`step_time.*`), and the
+CPU seconds its rank processes spend per step (`step_cpu.*`, `trainmover.bench.cpu`),
+which the host's load moves far less.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from trainmover.bench import ckpt_restart, downtime
+from trainmover.bench import ckpt_restart, cpu, downtime
 from trainmover.bench.example_jobs import EXAMPLES, example_config
 from trainmover.bench.report import (
     Progress,
@@ -53,11 +55,19 @@ def run(args: argparse.Namespace) -> Result:
         progress.step(f"{what}: {_short(out)}")
 
     progress.note(f"starting TrainMover's job ({config.layout.machines} machines) in {run_dir}")
+    window = max(2, args.every - 2)  # steps between two of the baseline's checkpoints
     with ServicesJob(config, run_dir / "trainmover", entry=ex.entry) as tm:
         for rep in range(args.repeats):
             tm.release()
             for kind, event in (("planned", tm.planned), ("failure", tm.failure)):
                 steady = tm.settle(args.warm_steps)
+                if kind == "planned":
+                    ranks = cpu.ranks_matching(FORKSERVER, parent_marker=FORKSERVER)
+                    rows.setdefault("step_cpu.trainmover", []).append(
+                        cpu.cpu_per_step(
+                            ranks, tm.current_step, tm.wait_step, tm.step_stamps, window
+                        )
+                    )
                 record(f"trainmover.{kind}", f"rep {rep + 1} trainmover {kind}",
                        attempt(partial(event, steady)))  # fmt: skip
             tm.settle(0)
@@ -66,6 +76,9 @@ def run(args: argparse.Namespace) -> Result:
                 config, run_dir / f"torchrun-{rep}", args.every, script=ex.script
             ) as ck:
                 ck.launch()
+                rows.setdefault("step_cpu.torchrun", []).append(
+                    _torchrun_cpu(ck, ex.script, args.every, args.warm_steps, window)
+                )
                 for kind in ("failure", "planned"):
                     fn = ck.failure if kind == "failure" else ck.planned
                     record(f"checkpoint_restart.{kind}",
@@ -73,6 +86,23 @@ def run(args: argparse.Namespace) -> Result:
                            attempt(partial(fn, args.warm_steps)))  # fmt: skip
     summarize(result, rows)
     return result
+
+
+#: What the command line of every rank process under TrainMover, and of its parent (the
+#: machine's fork server), contains.
+FORKSERVER = "trainmover.runtime.forkserver"
+
+
+def _torchrun_cpu(
+    ck: ckpt_restart.TorchrunJob, script: str, every: int, warm_steps: int, window: int
+) -> float | None:
+    """The baseline's CPU per step between two of its checkpoints (a save is work the
+    TrainMover side does not do), after `warm_steps`."""
+    start = ck.current_step() + warm_steps
+    first = start + (-start) % every + 1  # the step after a checkpoint's
+    ck.wait_step(first - 1)
+    ranks = cpu.ranks_matching(script, parent_marker="torch.distributed.run")
+    return cpu.cpu_per_step(ranks, ck.current_step, ck.wait_step, ck.ends, window, first)
 
 
 def _short(out: Any) -> str:
@@ -113,6 +143,17 @@ def summarize(result: Result, rows: dict[str, list[Any]]) -> None:
         if tm is not None and tr
     ]
     result.set_median("step_time.overhead", overheads, "no repetition measured both systems")
+    # The same for the CPU the rank processes spend per step: the host's load moves it
+    # far less than the step period (`trainmover.bench.cpu`).
+    cpu_rows = {system: rows.get(f"step_cpu.{system}", []) for system in ("trainmover", "torchrun")}
+    for system, values in cpu_rows.items():
+        result.set_median(f"step_cpu.{system}_s", [v for v in values if v is not None])
+    cpu_overheads = [
+        tm / tr - 1.0
+        for tm, tr in zip(cpu_rows["trainmover"], cpu_rows["torchrun"], strict=False)
+        if tm is not None and tr
+    ]
+    result.set_median("step_cpu.overhead", cpu_overheads, "no repetition measured both systems")
 
 
 def table(result: Result) -> str:
@@ -137,6 +178,12 @@ def table(result: Result) -> str:
         ["under TrainMover", "under plain torchrun", "TrainMover slower by"],
         [[fmt_stats(g("step_time.trainmover_stats")), fmt_stats(g("step_time.torchrun_stats")),
           fmt_stats(g("step_time.overhead_stats"))]],
+    )  # fmt: skip
+    out += "\nCPU seconds of the rank processes per step (all ranks), and TrainMover's "
+    out += "overhead within each repetition, median (min–max)\n\n" + markdown_table(
+        ["under TrainMover", "under plain torchrun", "TrainMover more by"],
+        [[fmt_stats(g("step_cpu.trainmover_stats")), fmt_stats(g("step_cpu.torchrun_stats")),
+          fmt_stats(g("step_cpu.overhead_stats"))]],
     )  # fmt: skip
     for key, title in (
         ("trainmover.phases_s", "TrainMover planned phases"),

@@ -122,6 +122,14 @@ class ServicesJob:
     def current_step(self) -> int:
         return self.cluster.steps.get(self.witness, 0)
 
+    def wait_step(self, step: int) -> None:
+        """Until the witness reported `step`."""
+        self._call(self.cluster.wait_step(self.witness, step, self.timeout_s))
+
+    def step_stamps(self) -> dict[int, float]:
+        """step -> when the witness's sidecar stamped it."""
+        return dict(self.cluster.step_ts.get(self.witness, {}))
+
     def normal_step(self, last: int, count: int = 20) -> float:
         """The median step period of the witness over up to `count` steps up to `last`."""
         ts = self.cluster.step_ts[self.witness]

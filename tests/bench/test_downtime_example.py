@@ -69,6 +69,18 @@ def test_the_step_overhead_is_taken_within_each_repetition() -> None:
     assert result.get("step_time.overhead_stats")["samples"] == pytest.approx([0.02, 0.02])
     assert result.get("step_time.overhead") == pytest.approx(0.02)
     assert result.get("step_time.trainmover_stats")["samples"] == [1.02, 2.04]
+    assert result.get("step_cpu.overhead") is None  # not measured in these rows
+
+
+def test_the_cpu_overhead_is_taken_within_each_repetition() -> None:
+    rows = {
+        "step_cpu.trainmover": [2.1, None, 4.4],  # repetition 2's window was not read
+        "step_cpu.torchrun": [2.0, 2.0, 4.0],
+    }
+    result = Result("downtime", example="llama")
+    summarize(result, rows)
+    assert result.get("step_cpu.overhead_stats")["samples"] == pytest.approx([0.05, 0.1])
+    assert result.get("step_cpu.torchrun_s") == 2.0
 
 
 def test_a_save_and_restart_stops_a_second_of_steps_ahead_of_the_furthest_rank() -> None:
