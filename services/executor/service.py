@@ -119,8 +119,7 @@ class ExecutorService:
         self._tasks.append(asyncio.create_task(self._bus_health.watch(self._nc)))
         self._kv = await self._bucket()
         state_kv = await bus.job_bucket(self._js, self.job)
-        watcher = await state_kv.watch(STATE_KEY)
-        self._tasks.append(asyncio.create_task(self._follow_state(watcher)))
+        self._tasks.append(asyncio.create_task(self._follow_state(state_kv)))
         await self._resume()
         sub = await self._js.pull_subscribe(
             self._subjects.plans,
@@ -277,10 +276,8 @@ class ExecutorService:
         assert entry.value is not None
         return set(decode(ClusterState, entry.value).in_flight)
 
-    async def _follow_state(self, watcher: object) -> None:
-        async for entry in watcher:  # type: ignore[attr-defined]
-            if entry is None or not entry.value:
-                continue
+    async def _follow_state(self, kv: KeyValue) -> None:
+        async for entry in bus.follow(kv, STATE_KEY):
             try:
                 state = decode(ClusterState, entry.value)
             except MessageError as err:

@@ -80,7 +80,6 @@ class HealthMonitor:
         self._subs: list[Any] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._side_tasks: set[asyncio.Task[None]] = set()
-        self._watchers: list[Any] = []
         self._loaded = asyncio.Event()
         # One dead letter per (job, category, machine) per dedup window, and at most
         # dead_letter_rate per second overall: a flood of junk must not flood the bus.
@@ -184,10 +183,6 @@ class HealthMonitor:
         self._subs.clear()
         await cancel_and_wait(self._tasks, owner="health-monitor")
         self._tasks.clear()
-        for watcher in self._watchers:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(watcher.stop(), STOP_STEP_S)
-        self._watchers.clear()
         if self.emitter is not None:
             await self.emitter.stop()
         if self._side_tasks:
@@ -216,15 +211,11 @@ class HealthMonitor:
         while True:
             try:
                 kv = await bus.job_bucket(js, job)
-                watcher = await kv.watch(STATE_KEY)
                 break
             except BucketNotFoundError:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-        self._watchers.append(watcher)
-        async for entry in watcher:
-            if entry is None or entry.value is None or entry.operation is not None:
-                continue  # the initial marker, or a delete: keep the last known state
+        async for entry in bus.follow(kv, STATE_KEY):
             try:
                 state = decode(ClusterState, entry.value)
             except MessageError as err:

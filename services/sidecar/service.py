@@ -190,9 +190,8 @@ class Sidecar:
     async def _watch_state(self) -> None:
         assert self._nc is not None
         kv = await bus.job_bucket(self._nc.jetstream(), self.job)
-        watcher = await kv.watch(STATE_KEY)
-        async for entry in watcher:
-            if entry is not None and entry.value:
+        async for entry in bus.follow(kv, STATE_KEY):
+            if entry.value:
                 with contextlib.suppress(Exception):
                     self._state = decode(ClusterState, entry.value)
                 if self._state is not None and fenced_in(self._state, self.machine, self._instance):

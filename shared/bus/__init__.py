@@ -12,6 +12,8 @@ One module per job:
   a write through a leader election, `dead_letter` records rejected input.
 - `commands`: `request` sends a Command and retries with the same `command_id`;
   `CommandServer` answers them and replays the reply for a command it already ran.
+- `follow`: `follow` yields every new value of a key-value key, checking its watch
+  against a direct read while it is quiet (a watch dies with its server).
 """
 
 from trainmover.bus.commands import CommandFailed, CommandServer, Handler, request
@@ -33,6 +35,7 @@ from trainmover.bus.durable import (
     pump,
     through_failover,
 )
+from trainmover.bus.follow import follow
 from trainmover.bus.jobs import DUPLICATE_WINDOW_S, MAX_PAYLOAD, ensure_job, job_bucket
 from trainmover.security.denials import PermissionDenied
 
@@ -52,6 +55,7 @@ __all__ = [
     "connect",
     "dead_letter",
     "ensure_job",
+    "follow",
     "job_bucket",
     "publish",
     "publish_durable",
