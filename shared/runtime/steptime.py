@@ -83,22 +83,33 @@ def run_queue_s() -> float:
     return _own.schedstat.run_queue_s()
 
 
+#: Thread id -> its schedstat file, kept open for `process_run_queue_s` (re-reading an
+#: open descriptor costs a few microseconds, opening one tens, and a beacon sums every
+#: thread of its process four times a second).
+_THREADS: dict[int, SchedStat] = {}
+_THREADS_LOCK = threading.Lock()
+
+
 def process_run_queue_s() -> float:
     """Seconds all live threads of this process have spent runnable but waiting for a
     CPU (summed); 0.0 where the kernel does not say. A rank waiting in a collective has
     its training thread asleep: whether the data it waits for is being delivered shows in
     the run-queue delay of the library's I/O threads, not in the training thread's."""
-    total = 0.0
     try:
-        tasks = os.listdir("/proc/self/task")
+        tids = {int(tid) for tid in os.listdir("/proc/self/task")}
     except OSError:
         return 0.0
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-                total += int(f.read().split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):
-            continue  # the thread ended meanwhile
+    total = 0.0
+    with _THREADS_LOCK:
+        for tid in set(_THREADS) - tids:
+            _THREADS.pop(tid).close()  # the thread ended
+        for tid in tids:
+            stat = _THREADS.get(tid)
+            if stat is None:
+                stat = _THREADS[tid] = SchedStat(tid)
+            total += stat.run_queue_s()
+            if stat.fd is None:  # could not be read: the thread ended meanwhile
+                del _THREADS[tid]
     return total
 
 
