@@ -50,6 +50,10 @@ from trainmover.tasks import cancel_and_wait
 
 log = get_logger("sidecar")
 
+#: Seconds between a sidecar's direct reads of its job's cluster state while its watch
+#: is quiet (`bus.follow`).
+SIDECAR_STATE_CHECK_S = 5.0
+
 
 @dataclass
 class SidecarSettings:
@@ -190,7 +194,10 @@ class Sidecar:
     async def _watch_state(self) -> None:
         assert self._nc is not None
         kv = await bus.job_bucket(self._nc.jetstream(), self.job)
-        async for entry in bus.follow(kv, STATE_KEY):
+        # One sidecar per machine reads the key while its watch is quiet: every few
+        # seconds, not every second, so that a large job's sidecars do not load the
+        # bucket's leader (the executor's fence command reaches a live sidecar first).
+        async for entry in bus.follow(kv, STATE_KEY, check_s=SIDECAR_STATE_CHECK_S):
             if entry.value:
                 with contextlib.suppress(Exception):
                     self._state = decode(ClusterState, entry.value)
