@@ -2,11 +2,12 @@
 where the step period cannot show it.
 
 On a host whose cores are all busy (8 ranks on 2 cores here), the step period moves by
-tens of percent between windows minutes apart, with the host's load; the CPU time the
-rank processes spend per step does not depend on how long they waited for a CPU, so a
+tens of percent between windows minutes apart, with the host's load. The CPU time the
+rank processes spend per step leaves out the time they waited for a CPU, so it shows a
 runtime's own work per step (its threads, its bookkeeping of each collective, the commit
-vote) shows in it to a few percent. Linux only (`/proc`); elsewhere nothing is found and
-the measurement is reported missing.
+vote) apart from the queueing. It still moves with contention for caches and memory
+(a third between repetitions on this host): read it over several runs. Linux only
+(`/proc`); elsewhere nothing is found and the measurement is reported missing.
 """
 
 from __future__ import annotations

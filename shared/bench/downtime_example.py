@@ -7,8 +7,8 @@ migration (a drain through the client: a warm standby takes over the machine of 
 system), through the services (`"control_plane": "services"`), then checkpoint-restart of the torchrun script (SIGKILL restarted
 by torch.distributed.elastic; save-and-restart). The wrapper's cost comes from the same
 runs: the steady step period of each system before its events (`step_time.*`), and the
-CPU seconds its rank processes spend per step (`step_cpu.*`, `trainmover.bench.cpu`),
-which the host's load moves far less.
+CPU seconds its rank processes spend per step (`step_cpu.*`, `trainmover.bench.cpu`):
+the work each system adds, apart from the time its ranks wait for a CPU.
 """
 
 from __future__ import annotations
@@ -143,8 +143,7 @@ def summarize(result: Result, rows: dict[str, list[Any]]) -> None:
         if tm is not None and tr
     ]
     result.set_median("step_time.overhead", overheads, "no repetition measured both systems")
-    # The same for the CPU the rank processes spend per step: the host's load moves it
-    # far less than the step period (`trainmover.bench.cpu`).
+    # The same for the CPU the rank processes spend per step (`trainmover.bench.cpu`).
     cpu_rows = {system: rows.get(f"step_cpu.{system}", []) for system in ("trainmover", "torchrun")}
     for system, values in cpu_rows.items():
         result.set_median(f"step_cpu.{system}_s", [v for v in values if v is not None])
