@@ -18,14 +18,13 @@ read that fails (no quorum yet) is tried again at the next check.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from nats import errors as nats_errors
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from trainmover.bus.durable import BUS_FAILOVER_ERRORS
 from trainmover.logs import get_logger
 
 log = get_logger("bus")
@@ -56,7 +55,7 @@ async def follow(kv: KeyValue, key: str, check_s: float = CHECK_S) -> AsyncItera
     while True:
         try:
             watcher = await kv.watch(key)
-        except (*BUS_FAILOVER_ERRORS, nats_errors.Error) as err:
+        except nats_errors.Error as err:  # no quorum yet, a stream electing its leader
             log.warning("watch_open_failed", key=key, error=repr(err))
             newest = await _read(kv, key)
             if newest is not None and newest.revision > last:
@@ -82,16 +81,14 @@ async def follow(kv: KeyValue, key: str, check_s: float = CHECK_S) -> AsyncItera
                 last = value.revision
                 yield value
         finally:
-            try:
+            with contextlib.suppress(Exception):  # the consumer may be gone with its server
                 await watcher.stop()
-            except Exception:  # noqa: BLE001 - the consumer may be gone with its server
-                pass
 
 
 async def _read(kv: KeyValue, key: str) -> Value | None:
     """The key's newest value; None when it has none or the bucket does not answer."""
     try:
         entry = await kv.get(key)
-    except (KeyNotFoundError, *BUS_FAILOVER_ERRORS, nats_errors.Error):
+    except nats_errors.Error:  # no value (KeyNotFoundError), or no answer yet
         return None
     return _value(entry)
