@@ -31,6 +31,11 @@ A rank that has not voted for k is
 - *starved* when it would be computing but its training thread spent most of the time
   between the two reads runnable and waiting for a CPU (an overloaded host, not a hung
   rank): not named; the judgement comes again at the next threshold;
+- *slow* when it would be computing but ranks on more than one machine are computing
+  in the same judgement: independent hangs in users' code on two machines in one step
+  are far rarer than a cause they share (a loaded host, a slow file system, the step's
+  own work), and a replacement, which runs the same code, would not help: not named;
+  the judgement comes again at the next threshold;
 - *blocked* when it waits in a collective on ranks that have all voted for k (they
   left the step; nobody will ever answer it: a deadlocked worker, or its side of the
   link lost the data): a culprit; unless its process's threads spent most of the time
@@ -145,7 +150,7 @@ def judge(
 ) -> tuple[dict[str, list[int]], dict[int, str]]:
     """Pure: culprit machine -> ranks, and rank -> what each rank that has not voted for
     `step` in `epoch` is doing ("silent", "computing", "progressing", "starved",
-    "blocked", "waiting"), from two reads `between_s` apart."""
+    "slow", "blocked", "waiting"), from two reads `between_s` apart."""
     culprits: dict[str, list[int]] = {}
     doing: dict[int, str] = {}
     voted = {e.ref for e in second.values() if e is not None and e.voted_for(epoch, step)}
@@ -176,6 +181,15 @@ def judge(
             doing[rank] = "waiting" if now.waiting else "starting"
             continue
         culprits.setdefault(now.machine, []).append(rank)
+    computing = {r for r, what in doing.items() if what == "computing"}
+    if len({m for m, ranks in culprits.items() if computing & set(ranks)}) > 1:
+        for rank in computing:
+            doing[rank] = "slow"
+        culprits = {
+            m: kept
+            for m, ranks in culprits.items()
+            if (kept := [r for r in ranks if r not in computing])
+        }
     return culprits, doing
 
 

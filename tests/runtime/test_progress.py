@@ -80,7 +80,38 @@ def test_a_rank_starved_of_cpu_is_not_named_one_spinning_is() -> None:
     assert culprits == {"m1": [1]}
     assert doing == {0: "starved", 1: "computing"}
     # Without the time between the reads, nothing tells starved from computing.
-    assert judge("e1", 8, first, second)[0] == {"m0": [0], "m1": [1]}
+    assert judge("e1", 8, {0: first[0]}, {0: second[0]})[0] == {"m0": [0]}
+
+
+def test_ranks_computing_on_several_machines_are_slow_not_named() -> None:
+    """Ranks of three machines outside any collective in the same step, for the whole
+    judgement, none of them queued for a CPU: the step is slow everywhere (the job's own
+    work, a loaded host), not hung on one machine. A silent rank is still named."""
+
+    def at(machine: str, local: int, voted: int, n: int) -> Entry:
+        return Entry(machine, "e1", 4, voted, voted >= 4, n, 3, local)
+
+    first = {
+        0: at("m0", 0, 3, 1),
+        1: at("m0", 1, 3, 1),
+        2: at("m1", 0, 3, 1),
+        3: at("m1", 1, 4, 1),  # voted: the judge
+        4: at("m2", 0, 3, 1),
+        5: at("m3", 0, 3, 1),
+    }
+    second = {r: Entry(**{**e.__dict__, "counter": 5}) for r, e in first.items()}
+    culprits, doing = judge("e1", 4, first, second, between_s=1.0)
+    assert culprits == {}
+    assert doing == {0: "slow", 1: "slow", 2: "slow", 4: "slow", 5: "slow"}
+    # One of those machines stopped: named for its silent rank, its computing one is not.
+    frozen = {**second, 5: first[5]}
+    culprits, doing = judge("e1", 4, first, frozen, between_s=1.0)
+    assert culprits == {"m3": [5]} and doing[5] == "silent" and doing[4] == "slow"
+    # Only one machine's ranks computing: that machine is named.
+    others_voted = {
+        r: at(e.machine, e.local_rank, 4 if e.machine != "m0" else 3, 5) for r, e in first.items()
+    }
+    assert judge("e1", 4, first, others_voted, between_s=1.0)[0] == {"m0": [0, 1]}
 
 
 def test_a_rank_waiting_on_peers_that_left_the_step_is_blocked_not_a_victim() -> None:
