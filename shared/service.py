@@ -5,7 +5,8 @@
 
 `load` returns settings (or raises SettingsError: exit 2, one line); the service class
 is built from the settings and must provide `async start()` and `async stop()`. The
-service runs until SIGINT/SIGTERM; an unreachable bus exits 1 with one line.
+service runs until SIGINT/SIGTERM; an unreachable bus exits 1 with one line. SIGUSR1
+writes every thread's stack to stderr (where a service that does not stop waits).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -27,6 +29,7 @@ from trainmover.bus import BusUnreachable
 from trainmover.httpserver import HttpServer, serve_observability
 from trainmover.metrics import Registry
 from trainmover.runtime.config import JobConfig, load_config
+from trainmover.security.credentials import CredentialsError
 
 
 class SettingsError(ValueError):
@@ -39,29 +42,51 @@ class Service(Protocol):
     async def stop(self) -> None: ...
 
 
-def run_service(name: str, load: Callable[[], Any], build: Callable[[Any], Service]) -> int:
-    """Loads settings, configures logging, runs the service until a signal."""
+def run_service(
+    name: str,
+    load: Callable[[], Any],
+    build: Callable[[Any], Service],
+    settings_errors: tuple[type[Exception], ...] = (),
+) -> int:
+    """Loads settings, configures logging, runs the service until a signal.
+    `settings_errors` are the service's own exceptions for bad settings (exit 2, as
+    SettingsError)."""
     # A stop asked for while the service still starts (imports, connecting) is a clean
     # stop too; once running, the event loop's handlers take over.
     signal.signal(signal.SIGTERM, _stop_while_starting)
+    _stacks_on_sigusr1()
+    bad_settings: tuple[type[Exception], ...] = (SettingsError, *settings_errors)
     try:
         settings = load()
-    except SettingsError as err:
+    except bad_settings as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
     logs.configure(getattr(settings, "log_format", None), getattr(settings, "log_level", None))
     try:
         return asyncio.run(_run(build(settings)))
-    except SettingsError as err:
+    except bad_settings as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
-    except (BusUnreachable, OSError) as err:
+    except (BusUnreachable, CredentialsError, OSError) as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     except _StoppedWhileStarting:
         return 0
+
+
+def _stacks_on_sigusr1() -> None:
+    # An stderr without a file descriptor (a caller's capture) cannot take the dump:
+    # the process's own stderr can.
+    for stream in (sys.stderr, sys.__stderr__):
+        if stream is None:
+            continue
+        try:
+            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+            return
+        except (AttributeError, OSError, ValueError):
+            continue
 
 
 class _StoppedWhileStarting(BaseException):

@@ -26,56 +26,18 @@ Modules, one job each:
 
 from __future__ import annotations
 
-import asyncio
-import signal
-import sys
-from typing import TYPE_CHECKING
-
-from trainmover import logs
-from trainmover.bus import BusUnreachable, PermissionDenied
-from trainmover.security.credentials import CredentialsError
-
-if TYPE_CHECKING:
-    from trainmover.services.health_monitor.config import Settings
+from trainmover.service import run_service
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the service until SIGINT/SIGTERM; exit 2 for bad settings, 1 for bus errors."""
     from trainmover.services.health_monitor.config import ConfigError, load
     from trainmover.services.health_monitor.rules import RulesError
-
-    try:
-        settings = load(argv)
-    except ConfigError as err:
-        print(f"health-monitor: error: {err}", file=sys.stderr)
-        return 2
-    logs.configure(settings.log_format, settings.log_level)
-    try:
-        return asyncio.run(_run(settings))
-    except RulesError as err:
-        print(f"health-monitor: error: {err}", file=sys.stderr)
-        return 2
-    except (BusUnreachable, PermissionDenied, CredentialsError, OSError) as err:
-        print(f"health-monitor: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-
-
-async def _run(settings: Settings) -> int:
     from trainmover.services.health_monitor.service import HealthMonitor
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    monitor = HealthMonitor(settings)
-    try:
-        await monitor.start()
-        await stop.wait()
-    finally:
-        await monitor.stop()
-    return 0
+    return run_service(
+        "health-monitor", lambda: load(argv), HealthMonitor, (ConfigError, RulesError)
+    )
 
 
 __all__ = ["main"]

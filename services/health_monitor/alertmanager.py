@@ -72,7 +72,8 @@ def parse_payload(body: bytes) -> WebhookPayload:
         first = err.errors()[0]
         if first["type"] == "json_invalid":
             raise PayloadError(f"malformed JSON: {first['msg']}") from None
-        loc = ".".join(str(p) for p in first["loc"])
+        # A key is the sender's text: shown escaped, so the reason stays one line.
+        loc = ".".join(str(p).encode("unicode_escape").decode() for p in first["loc"])
         msg = first["msg"]
         raise PayloadError(f"field '{loc}': {msg}" if loc else msg) from None
     if payload.version != SUPPORTED_VERSION:

@@ -1,5 +1,5 @@
 """The monitor as a real separate process (`python -m`): a 5,000-alert burst, bounded
-memory, one event per machine, and a clean SIGTERM."""
+memory, one event per machine, its threads' stacks on SIGUSR1, and a clean SIGTERM."""
 
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ async def test_burst_of_5000_alerts_in_a_separate_process(
         ],
         env=env,
         stdin=subprocess.DEVNULL,
+        stderr=(stderr := (tmp_path / "stderr").open("wb")),
     )
     try:
         port = await asyncio.to_thread(wait_port, proc, port_file)
@@ -141,7 +142,18 @@ async def test_burst_of_5000_alerts_in_a_separate_process(
         assert len(events.items) == MACHINES + 1
         await letters.wait_count(int(published))
         assert all("unknown machine 'ghost-" in d.reason for d in letters.items)
+
+        # Where every thread is, on demand; the service goes on.
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + WAIT
+        # The main thread's stack comes last, from the service's entry point down.
+        while "in run_service" not in (tmp_path / "stderr").read_text():
+            assert time.monotonic() < deadline, "no stacks written on SIGUSR1"
+            await asyncio.sleep(0.05)
+        assert "most recent call first" in (tmp_path / "stderr").read_text()
+        assert (await http(port, "/healthz")).status == 200
     finally:
+        stderr.close()
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.to_thread(proc.wait, WAIT)
     assert code == 0

@@ -365,6 +365,11 @@ def test_parse_documented_payload() -> None:
             b'{"version": "4", "status": "firing", "alerts": [{"status": "x", "labels": {}}]}',
             "field 'alerts.0.status'",
         ),
+        (
+            b'{"version": "4", "status": "firing", "alerts": [],'
+            b' "commonAnnotations": {"a\\nb": 1}}',
+            r"field 'commonAnnotations.a\\nb'",
+        ),
     ],
 )
 def test_malformed_payloads(body: bytes, reason: str) -> None:

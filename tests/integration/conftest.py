@@ -160,4 +160,5 @@ async def machines(
         codes = {p.name: p.wait(60) for p in running}
         host.close()
         bad = {name: code for name, code in codes.items() if code != 0}
-        assert not bad, f"sidecars did not stop cleanly: {bad}"
+        tails = "\n".join(f"--- {p.name}:\n{p.log_tail(6000)}" for p in running if p.name in bad)
+        assert not bad, f"sidecars did not stop cleanly: {bad}\n{tails}"

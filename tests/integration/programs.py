@@ -106,12 +106,17 @@ class Program:
         return await poll(one, f"{self.name} to listen", timeout)
 
     def wait(self, timeout: float) -> int | None:
-        """Waits for the program to exit (SIGKILL after `timeout`); returns the exit code."""
+        """Waits for the program to exit (SIGKILL after `timeout`); returns the exit code.
+        A program still running at `timeout` is first asked (SIGUSR1) to write its
+        threads' stacks into its log: where it waits is what a failure needs."""
         if self.proc is None:
             return None
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(2)
             self.proc.kill()
             self.proc.wait()
         return self.proc.returncode
