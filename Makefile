@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml setup.py
 # One pytest-xdist stream per core, at most 4: the end-to-end tests wait on real time
 # (jobs training, detection windows) more than they compute. TEST_STREAMS=0: one process.
 # `test` leaves out the tests marked long (whole-product scenarios of minutes each:
-# demos, soaks, benchmark smokes, bus and store faults); `test-long` runs only those.
+# demos, soaks, benchmark smokes, bus and store faults, hangs); `test-long` runs only those.
 # CI runs both.
 TEST_STREAMS ?= auto
 PYTEST := $(PY) -m pytest -q -n $(TEST_STREAMS) --maxprocesses=4 --dist loadgroup --no-loadscope-reorder

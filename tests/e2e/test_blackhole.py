@@ -26,7 +26,7 @@ from trainmover import bus
 from trainmover.localcluster import LocalCluster
 from trainmover.messages import Command, FailureEvent
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 
 
 @pytest.mark.parametrize("config", [TP1_LONG])

@@ -24,7 +24,7 @@ from trainmover import bus
 from trainmover.localcluster import LocalCluster as Cluster
 from trainmover.messages import Command, FailureEvent
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 
 
 async def _slow_all(cluster: Cluster, extra_s: float) -> None:
