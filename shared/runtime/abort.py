@@ -33,6 +33,7 @@ import torch
 
 #: Longest time between two checks of the abort signal while a collective is blocked.
 POLL_S = 0.05
+_POLL = timedelta(seconds=POLL_S)
 
 
 class StepAborted(RuntimeError):
@@ -234,7 +235,7 @@ class AbortSignal:
         deadline = time.monotonic() + limit
         while True:
             try:
-                work.wait(timedelta(seconds=POLL_S))
+                work.wait(_POLL)
                 return
             except RuntimeError:
                 if work.is_completed():  # finished since, or failed: a plain wait tells

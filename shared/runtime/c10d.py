@@ -97,9 +97,11 @@ class RuntimeWork(dist.Work):
         span: InFlightSpan | None = None,
         pending: PendingWork | None = None,
         received: tuple[int, torch.Tensor] | None = None,
+        future: Any = None,
     ):
         super().__init__()
         self._group, self._work, self._span, self._pending = group, work, span, pending
+        self._future = future  # the collective's own, where it has one
         self._received = received  # (tag, tensor) of a receive, for the group's tap
         self._waited = False
 
@@ -110,7 +112,7 @@ class RuntimeWork(dist.Work):
             return False  # a discarded step's work: abandoned (its group stays dirty)
         if self._pending is None:
             assert self._span is not None
-            self._group.wait_c10d(self._work, self._span)
+            self._group.wait_c10d(self._work, self._future, self._span)
         else:
             self._group._wait(self._pending)
         self._waited = True
@@ -129,7 +131,8 @@ class RuntimeWork(dist.Work):
     def get_future(self) -> Any:
         if self._pending is not None:
             raise UnsupportedCollective("a send or receive has no future: wait() it")
-        future = self._work.get_future()
+        # Without one of its own, the work's lookup raises what the backend says.
+        future = self._future if self._future is not None else self._work.get_future()
         if isinstance(self._group.backend, dist.ProcessGroupGloo):
             return self._group.signal.guard(future)
         return future
@@ -195,14 +198,14 @@ class SwappableGroup(dist.ProcessGroup):
 
     def _post(self, call: str, start: Callable[[Any], Any]) -> Any:
         group = self._group(call)
-        work, span = group.track(call, lambda: start(group.backend))
+        work, future, span = group.track(call, lambda: start(group.backend))
         if group.spec.kind in ("dp", "dp_shard", "dp_replicate"):
             # test-only: a machine dies mid gradient reduction (DDP, HSDP; FSDP2)
             if call == "allreduce":
                 fault.point("dp-allreduce")
             elif call == "reduce_scatter_single":
                 fault.point("dp-reduce-scatter")
-        return RuntimeWork(group, work, span)
+        return RuntimeWork(group, work, span, future=future)
 
     def _p2p(self, call: str, start: Callable[[Any], Any], peer: int, received: Any = None) -> Any:
         group = self._group(call)

@@ -45,6 +45,10 @@ class StaleMemberError(RuntimeError):
     """A rank tried to join a group slot that the store says belongs to someone else."""
 
 
+#: `PendingWork`'s default: the work's future is not known yet.
+_LOOK_UP = object()
+
+
 class PendingWork:
     """A posted work item of a group, waited through the rank's abort signal.
 
@@ -53,9 +57,14 @@ class PendingWork:
     without a future (gloo's reduce-scatters: their timed wait blocks for the group's
     whole timeout, out of the abort signal's reach)."""
 
-    def __init__(self, group: Group, work: Any, peer: int | None, p2p: bool):
+    def __init__(
+        self, group: Group, work: Any, peer: int | None, p2p: bool, own_future: Any = _LOOK_UP
+    ):
+        """`own_future`: the work's own future where the caller has looked it up."""
         self.group, self.work, self.peer = group, work, peer
-        self.future = WAITER.submit(work) if p2p or future_of(work) is None else None
+        if not p2p and own_future is _LOOK_UP:
+            own_future = future_of(work)
+        self.future = WAITER.submit(work) if p2p or own_future is None else None
         self.failed = False
 
     @property
@@ -79,10 +88,6 @@ class _C10dWork:
 
     work: Any
     future: Any
-
-    @classmethod
-    def of(cls, work: Any) -> _C10dWork:
-        return cls(work, future_of(work))
 
     @property
     def finished(self) -> bool:
@@ -137,6 +142,7 @@ class Group:
         #: Sees every tensor received (tag, tensor): how a live rank records for shadow
         #: iterations (`trainmover.runtime.sandbox.Recorder`).
         self.tap: Callable[[int, torch.Tensor], None] | None = None
+        self._on: dict[int | None, tuple[str, ...]] = {}
 
     @property
     def name(self) -> str:
@@ -186,23 +192,25 @@ class Group:
         self._inflight.append(pending)
         return pending
 
-    def track(self, call: str, start: Callable[[], Any]) -> tuple[Any, InFlightSpan]:
+    def track(self, call: str, start: Callable[[], Any]) -> tuple[Any, Any, InFlightSpan]:
         """Posts a collective of the c10d wrapper (`trainmover.runtime.c10d`) and returns
-        its work unwaited, with its in-flight span (timed as waiting unless the runtime
-        waits it itself: `wait_c10d`). The work is remembered, so a failure or an
-        abandoned work taints this group as the runtime's own collectives do."""
+        its work unwaited, the work's future (None where it has none) and its in-flight
+        span (timed as waiting unless the runtime waits it itself: `wait_c10d`). The
+        work is remembered, so a failure or an abandoned work taints this group as the
+        runtime's own collectives do."""
         self.c10d_failure()
         work = self._start(start, None, call)
-        self._c10d.append(_C10dWork.of(work))
-        return work, IN_FLIGHT.track(work)
+        future = future_of(work)  # once: each lookup makes a new future object
+        self._c10d.append(_C10dWork(work, future))
+        return work, future, IN_FLIGHT.track(future)
 
-    def wait_c10d(self, work: Any, span: InFlightSpan) -> None:
+    def wait_c10d(self, work: Any, future: Any, span: InFlightSpan) -> None:
         """A c10d collective's `wait()` (`trainmover.runtime.c10d.RuntimeWork`): through
         the abort signal, in slices, as the runtime's own waits, so a rank blocked on a
         peer that will never post gets out when the epoch is aborted. Timed as waiting
         here, so not by its in-flight span too."""
         span.dropped = True
-        pending = PendingWork(self, work, None, p2p=False)
+        pending = PendingWork(self, work, None, p2p=False, own_future=future)
         self._inflight.append(pending)
         self._wait(pending)
 
@@ -236,14 +244,21 @@ class Group:
         self.signal.fail(failure)
         return failure
 
+    def _waits_on(self, peer: int | None) -> tuple[str, ...]:
+        """The ranks a wait on `peer` (None: the whole group) waits on, for the
+        progress board; made once per peer, as every collective's wait asks."""
+        on = self._on.get(peer)
+        if on is None:
+            members = self.spec.members
+            others = [members[peer]] if peer is not None else members
+            on = self._on[peer] = tuple(str(m) for m in others if m != members[self.rank])
+        return on
+
     def _wait(self, pending: PendingWork) -> None:
         peer = self.peer_machine(pending.peer)
-        members = self.spec.members
-        others = [members[pending.peer]] if pending.peer is not None else members
-        on = tuple(str(m) for m in others if m != members[self.rank])
         # Waiting is not computing: the step's compute time leaves it out.
         try:
-            with WAITS.waiting(on=on):
+            with WAITS.waiting(on=self._waits_on(pending.peer)):
                 if pending.future is not None:
                     self.signal.wait_future(pending.future, self.name, peer)
                 else:

@@ -291,7 +291,7 @@ class LocalGroup(Group):
         self._stats.local += 1
         super().allreduce(tensor)
 
-    def track(self, call: str, start: Callable[[], Any]) -> tuple[Any, InFlightSpan]:
+    def track(self, call: str, start: Callable[[], Any]) -> tuple[Any, Any, InFlightSpan]:
         """A collective of the c10d face (`trainmover.runtime.c10d`), counted too."""
         self._stats.local += 1
         return super().track(call, start)

@@ -25,8 +25,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,25 +127,11 @@ class WaitClock(threading.local):
         self.waited_s = 0.0
         self.queued_s = 0.0
 
-    @contextmanager
-    def waiting(self, on: tuple[str, ...] = ()) -> Iterator[None]:
+    def waiting(self, on: tuple[str, ...] = ()) -> _Waiting:
         """Counts the enclosed block as waiting (also when it raises), once however
         deeply waits nest; `on` names the ranks a group wait waits on (the progress board
         tells who holds whom)."""
-        started, queued = time.perf_counter(), run_queue_s()
-        me = threading.get_ident()
-        depth = _INSIDE.get(me, 0)
-        _INSIDE[me] = depth + 1
-        outer = _ON.get(me, ())
-        _ON[me] = on
-        try:
-            yield
-        finally:
-            _INSIDE[me] -= 1
-            _ON[me] = outer
-            if depth == 0:  # an inner wait's time is part of this one's
-                self.waited_s += time.perf_counter() - started
-                self.queued_s += run_queue_s() - queued
+        return _Waiting(self, on)
 
     @staticmethod
     def is_waiting(thread_id: int) -> bool:
@@ -164,6 +148,34 @@ class WaitClock(threading.local):
 WAITS = WaitClock()
 
 
+class _Waiting:
+    """One wait of `WaitClock.waiting`: a plain context manager, as it encloses every
+    collective's wait (a generator-based one costs several times more)."""
+
+    __slots__ = ("_clock", "_on", "_me", "_depth", "_outer", "_started", "_queued")
+
+    def __init__(self, clock: WaitClock, on: tuple[str, ...]) -> None:
+        self._clock, self._on = clock, on
+
+    def __enter__(self) -> None:
+        IN_FLIGHT.observe()  # the works this wait may be for are seen done before it
+        self._started, self._queued = time.perf_counter(), run_queue_s()
+        self._me = me = threading.get_ident()
+        self._depth = depth = _INSIDE.get(me, 0)
+        _INSIDE[me] = depth + 1
+        self._outer = _ON.get(me, ())
+        _ON[me] = self._on
+
+    def __exit__(self, *exc: object) -> None:
+        me = self._me
+        _INSIDE[me] -= 1
+        _ON[me] = self._outer
+        if self._depth == 0:  # an inner wait's time is part of this one's
+            clock = self._clock
+            clock.waited_s += time.perf_counter() - self._started
+            clock.queued_s += run_queue_s() - self._queued
+
+
 @dataclass
 class InFlightSpan:
     """One tracked work's span; `dropped` before its completion, it is not counted."""
@@ -178,30 +190,55 @@ class InFlightClock:
     covered by such spans counts as waiting, so a rank held back by a slow peer's late
     all-reduce is not taken for slow itself; it slightly overstates waiting where a span
     overlaps the backward pass it was posted in, which only flatters the peers of a slow
-    machine, never the slow machine (its own works complete at once)."""
+    machine, never the slow machine (its own works complete at once).
+
+    A span ends when the rank's own thread next sees its work complete: at its next
+    post, wait (`WAITS`) or step end, and no later than the step's vote, a wait. A
+    completion callback would time it exactly, but it runs on the backend's thread and
+    takes the interpreter lock from the training thread at every collective, which cost
+    more than the rest of a collective's bookkeeping together."""
+
+    #: Works watched at most at once; beyond it the oldest are dropped (abandoned works
+    #: of an aborted step may never complete).
+    LIMIT = 4096
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._open: list[tuple[InFlightSpan, Any]] = []
         self._spans: list[tuple[float, float]] = []
 
-    def track(self, work: object) -> InFlightSpan:
-        """Times `work` (a c10d work) from now to its completion, unless the returned
-        span is `dropped` first (a work the runtime waits itself: WAITS times that)."""
+    def track(self, future: Any) -> InFlightSpan:
+        """Times a c10d work from now to the completion of its `future`, unless the
+        returned span is `dropped` first (a work the runtime waits itself: WAITS times
+        that). Without a future the work is only waited by the runtime."""
+        self.observe()
         span = InFlightSpan(time.perf_counter())
-
-        def done(_: object) -> None:
-            if not span.dropped:
-                with self._lock:
-                    self._spans.append((span.started, time.perf_counter()))
-
-        future = future_of(work)
-        if future is not None:  # without one the work is only waited by the runtime
-            future.add_done_callback(done)
+        if future is not None:
+            with self._lock:
+                self._open.append((span, future))
+                del self._open[: -self.LIMIT]
         return span
+
+    def observe(self) -> None:
+        """Ends the spans of the works seen complete now; forgets the dropped ones."""
+        if not self._open:
+            return
+        now = time.perf_counter()
+        with self._lock:
+            still = []
+            for span, future in self._open:
+                if span.dropped:
+                    continue
+                if future.done():
+                    self._spans.append((span.started, now))
+                else:
+                    still.append((span, future))
+            self._open = still
 
     def covered(self, start: float, end: float) -> float:
         """Seconds of [start, end] inside some span; forgets spans that ended before
         `start` (steps are measured in order)."""
+        self.observe()
         with self._lock:
             self._spans = [sp for sp in self._spans if sp[1] > start]
             spans = sorted((max(a, start), min(b, end)) for a, b in self._spans if a < end)

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from trainmover.runtime.steptime import WAITS, StepTimer, process_run_queue_s, run_queue_s
+from trainmover.runtime.steptime import (
+    IN_FLIGHT,
+    WAITS,
+    InFlightClock,
+    StepTimer,
+    process_run_queue_s,
+    run_queue_s,
+)
 
 HAS_SCHEDSTAT = Path("/proc/thread-self/schedstat").exists()
 
@@ -66,6 +73,50 @@ def test_waits_on_another_thread_do_not_count_against_this_one() -> None:
 
 
 @pytest.mark.skipif(not HAS_SCHEDSTAT, reason="the kernel reports no run-queue delay here")
+class _Future:
+    """A work's future as the clock reads it: only `done()`."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+def test_a_work_a_library_waits_counts_until_the_rank_sees_it_complete() -> None:
+    """A work posted for a library (DDP's all-reduce) counts as waiting from its post to
+    the first wait of the rank that sees it complete; one the runtime waits itself
+    (dropped) or one still running does not."""
+    timer = StepTimer()
+    library, runtime, running = _Future(), _Future(), _Future()
+    IN_FLIGHT.track(library)
+    IN_FLIGHT.track(runtime).dropped = True
+    still = IN_FLIGHT.track(running)
+    _burn(0.15)  # the rank computes while the work is in flight
+    library.finished = runtime.finished = True
+    with WAITS.waiting():  # the vote: the rank's next wait sees the work done
+        pass
+    _burn(0.1)  # after it: computing again
+    step = timer.stop()
+    assert 0.15 <= step.waited_s < step.seconds - 0.09
+    still.dropped = True  # the clock is the process's: leave nothing in flight
+    IN_FLIGHT.observe()
+
+
+def test_the_in_flight_clock_forgets_what_it_need_not_keep() -> None:
+    clock = InFlightClock()
+    clock.LIMIT = 3
+    futures = [_Future() for _ in range(5)]
+    spans = [clock.track(f) for f in futures]
+    assert len(clock._open) == 3  # the oldest dropped: abandoned works never complete
+    spans[3].dropped = True
+    futures[4].finished = True
+    clock.observe()
+    assert [f for _, f in clock._open] == [futures[2]]
+    assert clock.covered(spans[4].started, spans[4].started + 3600) > 0
+    assert clock.track(None).dropped is False and len(clock._open) == 1
+
+
 def test_run_queue_delay_is_not_compute() -> None:
     """The training thread shares its one CPU with a busy process: its step takes about
     twice its CPU time, and the compute time is about the CPU time, not the wall time
