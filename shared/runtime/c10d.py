@@ -44,7 +44,7 @@ from torch._C import _distributed_c10d as _c10d
 from torch.distributed.distributed_c10d import GroupName
 
 from trainmover.runtime import fault
-from trainmover.runtime.groups import Group, PendingWork
+from trainmover.runtime.groups import C10dWork, Group, PendingWork
 from trainmover.runtime.steptime import InFlightSpan
 
 #: What `getBackendName` answers (never "gloo": see the module docstring).
@@ -97,11 +97,11 @@ class RuntimeWork(dist.Work):
         span: InFlightSpan | None = None,
         pending: PendingWork | None = None,
         received: tuple[int, torch.Tensor] | None = None,
-        future: Any = None,
+        posted: C10dWork | None = None,
     ):
         super().__init__()
         self._group, self._work, self._span, self._pending = group, work, span, pending
-        self._future = future  # the collective's own, where it has one
+        self._posted = posted  # a collective's record, with its own future if any
         self._received = received  # (tag, tensor) of a receive, for the group's tap
         self._waited = False
 
@@ -111,8 +111,8 @@ class RuntimeWork(dist.Work):
         if _DISCARDING.active and not self.is_completed():
             return False  # a discarded step's work: abandoned (its group stays dirty)
         if self._pending is None:
-            assert self._span is not None
-            self._group.wait_c10d(self._work, self._future, self._span)
+            assert self._span is not None and self._posted is not None
+            self._group.wait_c10d(self._posted, self._span)
         else:
             self._group._wait(self._pending)
         self._waited = True
@@ -123,7 +123,7 @@ class RuntimeWork(dist.Work):
     def is_completed(self) -> bool:
         if self._pending is not None:
             return self._pending.done
-        return bool(self._work.is_completed())
+        return self._posted is not None and self._posted.finished
 
     def is_success(self) -> bool:
         return self.is_completed()
@@ -132,7 +132,8 @@ class RuntimeWork(dist.Work):
         if self._pending is not None:
             raise UnsupportedCollective("a send or receive has no future: wait() it")
         # Without one of its own, the work's lookup raises what the backend says.
-        future = self._future if self._future is not None else self._work.get_future()
+        own = self._posted.future if self._posted is not None else None
+        future = own if own is not None else self._work.get_future()
         if isinstance(self._group.backend, dist.ProcessGroupGloo):
             return self._group.signal.guard(future)
         return future
@@ -198,14 +199,14 @@ class SwappableGroup(dist.ProcessGroup):
 
     def _post(self, call: str, start: Callable[[Any], Any]) -> Any:
         group = self._group(call)
-        work, future, span = group.track(call, lambda: start(group.backend))
+        posted, span = group.track(call, lambda: start(group.backend))
         if group.spec.kind in ("dp", "dp_shard", "dp_replicate"):
             # test-only: a machine dies mid gradient reduction (DDP, HSDP; FSDP2)
             if call == "allreduce":
                 fault.point("dp-allreduce")
             elif call == "reduce_scatter_single":
                 fault.point("dp-reduce-scatter")
-        return RuntimeWork(group, work, span, future=future)
+        return RuntimeWork(group, posted.work, span, posted=posted)
 
     def _p2p(self, call: str, start: Callable[[Any], Any], peer: int, received: Any = None) -> Any:
         group = self._group(call)

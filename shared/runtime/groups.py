@@ -80,21 +80,25 @@ class PendingWork:
         self.group._wait(self)
 
 
-@dataclass(frozen=True, eq=False)
-class _C10dWork:
-    """A c10d work posted for a library, with its future looked up once: gloo's
-    reduce-scatters have none and say so by raising, which costs more than the check
-    itself when it is repeated for every work at every post."""
+@dataclass(eq=False)
+class C10dWork:
+    """A c10d work posted for a library, with its future looked up once (each lookup
+    makes a new future object; gloo's reduce-scatters have none and say so by raising)."""
 
     work: Any
     future: Any
+    #: The runtime waited it to success (`Group.wait_c10d`).
+    waited: bool = False
 
     @property
     def finished(self) -> bool:
-        """Over once its future is: gloo completes the future (waking the waiter, e.g.
-        DDP's reducer raising in the training thread) before it marks the work itself
-        completed, so `is_completed()` can still be False when the waiter looks. A work
-        without a future is over once completed."""
+        """Over once waited, or once its future is: gloo completes the future (waking
+        the waiter, e.g. DDP's reducer raising in the training thread) before it marks
+        the work itself completed, so `is_completed()` can still be False when the
+        waiter looks. A work without a future is over once completed, or waited: gloo's
+        reduce-scatter never says it completed, even after its wait."""
+        if self.waited:
+            return True
         return bool(self.future.done() if self.future is not None else self.work.is_completed())
 
     def error(self) -> Exception | None:
@@ -138,7 +142,7 @@ class Group:
         self._failed = False
         #: Works posted for a c10d `SwappableGroup` (waited by their caller, e.g. DDP's
         #: reducer); kept until seen complete.
-        self._c10d: list[_C10dWork] = []
+        self._c10d: list[C10dWork] = []
         #: Sees every tensor received (tag, tensor): how a live rank records for shadow
         #: iterations (`trainmover.runtime.sandbox.Recorder`).
         self.tap: Callable[[int, torch.Tensor], None] | None = None
@@ -192,27 +196,28 @@ class Group:
         self._inflight.append(pending)
         return pending
 
-    def track(self, call: str, start: Callable[[], Any]) -> tuple[Any, Any, InFlightSpan]:
+    def track(self, call: str, start: Callable[[], Any]) -> tuple[C10dWork, InFlightSpan]:
         """Posts a collective of the c10d wrapper (`trainmover.runtime.c10d`) and returns
-        its work unwaited, the work's future (None where it has none) and its in-flight
-        span (timed as waiting unless the runtime waits it itself: `wait_c10d`). The
-        work is remembered, so a failure or an abandoned work taints this group as the
-        runtime's own collectives do."""
+        its work unwaited, with its in-flight span (timed as waiting unless the runtime
+        waits it itself: `wait_c10d`). The work is remembered until finished, so a
+        failure or an abandoned work taints this group as the runtime's own collectives
+        do."""
         self.c10d_failure()
         work = self._start(start, None, call)
-        future = future_of(work)  # once: each lookup makes a new future object
-        self._c10d.append(_C10dWork(work, future))
-        return work, future, IN_FLIGHT.track(future)
+        posted = C10dWork(work, future_of(work))
+        self._c10d.append(posted)
+        return posted, IN_FLIGHT.track(posted.future)
 
-    def wait_c10d(self, work: Any, future: Any, span: InFlightSpan) -> None:
+    def wait_c10d(self, posted: C10dWork, span: InFlightSpan) -> None:
         """A c10d collective's `wait()` (`trainmover.runtime.c10d.RuntimeWork`): through
         the abort signal, in slices, as the runtime's own waits, so a rank blocked on a
         peer that will never post gets out when the epoch is aborted. Timed as waiting
         here, so not by its in-flight span too."""
         span.dropped = True
-        pending = PendingWork(self, work, None, p2p=False, own_future=future)
+        pending = PendingWork(self, posted.work, None, p2p=False, own_future=posted.future)
         self._inflight.append(pending)
         self._wait(pending)
+        posted.waited = True
 
     def post_p2p(self, call: str, start: Callable[[], Any], peer: int) -> PendingWork:
         """Posts a c10d send or recv: waited by the `Waiter` (a p2p work has no future on

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from trainmover.runtime import pipelines
 from trainmover.runtime.c10d import completed_work
-from trainmover.runtime.groups import Group
+from trainmover.runtime.groups import C10dWork, Group
 from trainmover.runtime.layout import GroupKind, Layout, Role
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.steptime import InFlightSpan
@@ -291,7 +291,7 @@ class LocalGroup(Group):
         self._stats.local += 1
         super().allreduce(tensor)
 
-    def track(self, call: str, start: Callable[[], Any]) -> tuple[Any, Any, InFlightSpan]:
+    def track(self, call: str, start: Callable[[], Any]) -> tuple[C10dWork, InFlightSpan]:
         """A collective of the c10d face (`trainmover.runtime.c10d`), counted too."""
         self._stats.local += 1
         return super().track(call, start)

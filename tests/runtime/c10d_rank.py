@@ -137,6 +137,19 @@ def abort_a_wait(store: dist.Store, rank: int, collective: str) -> dict[str, obj
     return outcome
 
 
+def waited_works_are_forgotten(pg: dist.ProcessGroup, group: Group) -> dict[str, object]:
+    """Collectives of every kind FSDP2 and DTensor post, each waited: the group stays
+    clean and keeps no record of them (gloo never marks a reduce-scatter completed, even
+    after its wait). With whether the reduce-scatter's sums are right."""
+    out, size = torch.empty(2), pg.size()
+    for _ in range(20):
+        dist.reduce_scatter_tensor(out, torch.ones(2 * size), group=pg)
+        dist.all_gather_into_tensor(torch.empty(2 * size), torch.ones(2), group=pg)
+        funcol.reduce_scatter_tensor(torch.ones(2 * size), "sum", 0, pg).wait()
+        funcol.all_reduce(torch.ones(2), "sum", pg).wait()
+    return {"dirty": group.dirty, "kept": len(group._c10d), "sum": out.tolist()}
+
+
 def main(rank: int, size: int, port: int, out: str) -> int:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
@@ -191,6 +204,7 @@ def main(rank: int, size: int, port: int, out: str) -> int:
             dist.broadcast(t, group_src=1, group=pgs_a.get("dp"))
             result["broadcast_after"] = t
             result["p2p"] = point_to_point(pgs_a.get("dp"), swapped["dp"], rank)
+    result["bookkeeping"] = waited_works_are_forgotten(pgs_b.get("dp"), steady["dp"])
     result["a"] = {n: p.detach().clone() for n, p in a.module.named_parameters()}
     result["b"] = {n: p.detach().clone() for n, p in b.module.named_parameters()}
     result["aborted"] = {c: abort_a_wait(store, rank, c) for c in ABORTED}

@@ -66,6 +66,11 @@ def test_functional_collectives_and_dist_wrappers_find_the_group_by_name(ranks):
         assert result["rank"] == rank and result["world"] == SIZE
 
 
+def test_waited_collectives_leave_the_group_clean_and_unremembered(ranks):
+    for result in ranks:
+        assert result["bookkeeping"] == {"dirty": False, "kept": 0, "sum": [2.0, 2.0]}
+
+
 def test_init_process_group_installs_the_runtime_group(ranks):
     assert all(r["default_is_dp"] for r in ranks)
 
