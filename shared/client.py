@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any
@@ -236,17 +237,18 @@ class TrainMoverClient:
         raises MigrationTimeout when none comes within `timeout` seconds.
         """
 
+        seen: list[MigrationProgress] = []
+
         async def terminal() -> MigrationProgress:
             while True:
                 try:
                     async with self.watch(job, from_start=True) as items:
                         async for item in items:
-                            if (
-                                isinstance(item, MigrationProgress)
-                                and item.event_id == event_id
-                                and item.state in TERMINAL_STATES
-                            ):
+                            if not isinstance(item, MigrationProgress) or item.event_id != event_id:
+                                continue
+                            if item.state in TERMINAL_STATES:
                                 return item
+                            seen.append(item)
                 except bus.BUS_FAILOVER_ERRORS as err:
                     # A server of the cluster went away while the watch was set up: the
                     # migration is not late, the bus is electing; watch again.
@@ -257,7 +259,8 @@ class TrainMoverClient:
             return await asyncio.wait_for(terminal(), timeout)
         except TimeoutError:
             raise MigrationTimeout(
-                f"migration for event {event_id} in job {job!r} did not finish in {timeout}s"
+                f"migration for event {event_id} in job {job!r} did not finish in {timeout}s; "
+                + _last_seen(seen)
             ) from None
 
 
@@ -336,3 +339,14 @@ class Watch:
         if not self._subs:
             raise StopAsyncIteration
         return await self._queue.get()
+
+
+def _last_seen(seen: list[MigrationProgress]) -> str:
+    """Where a late migration stands: its last progress (the state its executor is in)."""
+    if not seen:
+        return "no progress was published for it (is an executor running?)"
+    last = seen[-1]
+    return (
+        f"its last progress: {last.state} of plan {last.plan_id} ({last.detail}), "
+        f"{time.time() - last.ts:.0f}s ago"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import jsonschema
@@ -115,10 +116,19 @@ async def test_drain_of_machine_queued_to_leave_is_refused(tm, nc, job):
         await tm.drain(job, "m1")
 
 
-async def test_wait_for_migration_times_out(tm, nc, job):
+async def test_wait_for_migration_times_out_naming_where_the_migration_stands(tm, nc, job):
     await register_job(nc, job)
-    with pytest.raises(MigrationTimeout, match="did not finish"):
+    with pytest.raises(MigrationTimeout, match="did not finish in 0.5s; no progress was published"):
         await tm.wait_for_migration(job, "no-such-event", timeout=0.5)
+    subjects = JobSubjects(job)
+    for state, detail in [("planned", "m0 -> s0"), ("phase1", "building the delta groups")]:
+        progress = MigrationProgress(
+            job=job, event_id="e1", plan_id="p1", state=state, detail=detail, ts=time.time() - 100
+        )
+        await nc.jetstream().publish(subjects.progress, progress.to_json())
+    last = r"its last progress: phase1 of plan p1 \(building the delta groups\), 10[01]s ago"
+    with pytest.raises(MigrationTimeout, match=last):
+        await tm.wait_for_migration(job, "e1", timeout=0.5)
 
 
 async def test_non_python_producer_follows_the_docs(nc, job):

@@ -142,6 +142,9 @@ class Migration:
         self.timeout_s = timeout_s
         self.attempt_s = attempt_s
         self._settle = settle
+        #: The end decided (terminal progress state and detail) and maybe not yet
+        #: published: a `run` again after a write that failed publishes it again.
+        self._end: tuple[MigrationState, str] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -168,13 +171,26 @@ class Migration:
         return sorted(self.plan.affected_machines())
 
     async def run(self) -> MigrationRecord:
-        """Drives the record to done (or failed); returns the final record."""
+        """Drives the record to done (or failed); returns the final record. Raises only
+        where the bus refused a write past its failover; calling it again then goes on
+        from where it stopped."""
+        if self._end is not None:
+            await self._save(self.record)
+            await self._progress(*self._end, final=True)
+            return self.record
         if self.plan.migration != "planned" and self.record.phase == "phase1":
             self.record.phase = "recovering"
         try:
             while self.record.phase not in ("done", "failed"):
                 await self._advance()
+        except bus.BUS_FAILOVER_ERRORS:
+            # A record or progress the bus did not take, even past its failover: not a
+            # failure of the migration (after the switch, failing would abort a joiner
+            # that holds its role). Every phase can run again: the caller runs it again.
+            raise
         except Exception as err:
+            if self._end is not None:
+                raise  # decided; only its record or progress was not written: run again
             # Reported as failed at once, a dead leaver's drain would race that leaver's
             # failure event: the recovery could no longer keep the joiner it prepared.
             lost = err.lost if isinstance(err, MigrationFailed) else None
@@ -239,16 +255,16 @@ class Migration:
             if recovery:  # every rank resumed after the last step all of them committed
                 self.record.commit_step = max(int(r["step"]) for r in results.values())
             await self._measure()
-            await self._enter("done" if recovery else "releasing")
             if recovery:
-                await self._progress("done", self._summary(), final=True)
+                await self._end_with("done", self._summary())
+            else:
+                await self._enter("releasing")
         elif phase == "releasing":
             leavers = ", ".join(sorted(self.plan.leavers()))
             await self._progress("releasing", f"{leavers} go(es) to maintenance")
             await self._all("release", list(self.plan.leavers()))
             self._phase("release", t0)
-            await self._enter("done")
-            await self._progress("done", self._summary(), final=True)
+            await self._end_with("done", self._summary())
 
     async def _measure(self) -> None:
         """Downtime from the step timelines of the ranks around the switch step."""
@@ -344,6 +360,12 @@ class Migration:
         self.record.phase = phase
         await self._save(self.record)
 
+    async def _end_with(self, state: MigrationState, detail: str) -> None:
+        """Stores the record's end, then publishes it to the event(s)."""
+        self._end = (state, detail)
+        await self._enter("done" if state == "done" else "failed")
+        await self._progress(state, detail, final=True)
+
     async def _progress(self, state: MigrationState, detail: str, final: bool = False) -> None:
         """Published for the plan's event and for every failure event it merged (a
         recovery that superseded another ends that one's event too)."""
@@ -376,9 +398,8 @@ class Migration:
         )
         # Nobody switched yet: the leavers still hold their roles and train on.
         before_switch = self.record.phase in ("phase1", "committing")
-        self.record.phase = "failed"
+        retry = self.plan.migration == "planned" and before_switch and self.plan.retries_left > 0
         self.record.error = error
-        await self._save(self.record)
         if self.plan.migration == "planned":
             # A joiner may hold its role already and cannot give it back: its sidecar
             # relaunches it as a standby (the planner keeps it in maintenance meanwhile).
@@ -388,9 +409,6 @@ class Migration:
                 await self._all("abort", sorted(told))
             except Exception as err:  # a dead joiner does not answer; the monitor saw it
                 log.warning("abort_failed", plan_id=self.plan.plan_id, error=str(err))
-        if self.plan.migration == "planned" and before_switch and self.plan.retries_left:
-            # The leaver trains on: the planner plans the event again.
-            await self._progress("retrying", error, final=True)
-        else:
-            await self._progress("failed", error, final=True)
+        # The leaver of a retried plan trains on: the planner plans the event again.
+        await self._end_with("retrying" if retry else "failed", error)
         return self.record

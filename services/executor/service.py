@@ -26,7 +26,7 @@ import hashlib
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from trainmover import bus, replication
@@ -50,6 +50,9 @@ from trainmover.tasks import cancel_and_wait
 
 log = get_logger("executor")
 
+RERUN_PAUSE_S = 1.0
+"""How long an interrupted migration waits before it runs again from its record."""
+
 
 class ExecutorService:
     """One job's executor."""
@@ -64,9 +67,12 @@ class ExecutorService:
         groups_total: int | None = None,
         metrics: Registry | None = None,
         failure_grace_s: float = 10.0,
+        failover_s: float = bus.FAILOVER_S,
     ) -> None:
         """`failure_grace_s`: how long a migration whose machine's worker died waits for
-        the planner to take it over with that machine's recovery before it fails."""
+        the planner to take it over with that machine's recovery before it fails.
+        `failover_s`: how long a write waits out a bus with no leader before it fails
+        (the migration is then run again from its stored record)."""
         self._nc = nc
         self._js = nc.jetstream()
         self.job = job
@@ -75,6 +81,7 @@ class ExecutorService:
         self.timeout_s = timeout_s
         self.groups_total = groups_total
         self.failure_grace_s = failure_grace_s
+        self.failover_s = failover_s
         self._state_changed = asyncio.Condition()
         self._kv: KeyValue | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -138,16 +145,28 @@ class ExecutorService:
         return await replication.key_value(self._js, self._subjects.executor_bucket, history=4)
 
     async def _resume(self) -> None:
-        assert self._kv is not None
-        try:
-            keys = await self._kv.keys()
-        except Exception:  # nats-py raises NoKeysError for an empty bucket
-            keys = []
         in_flight = await self._current_in_flight()
+        for record in await bus.through_failover(self._stored, "records", self.failover_s):
+            await self._pick_up(record, in_flight)
+
+    async def _stored(self) -> list[MigrationRecord]:
+        """Every migration record in the bucket. A listing that fails (a slow or electing
+        server) raises: taken for an empty bucket, it would orphan the records."""
+        kv = self._kv
+        assert kv is not None
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            return []
+        records = []
         for key in keys:
-            entry = await self._kv.get(key)
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                continue
             if entry.value:
-                await self._pick_up(decode(MigrationRecord, entry.value), in_flight)
+                records.append(decode(MigrationRecord, entry.value))
+        return records
 
     async def _pump(self, sub: object) -> None:
         await bus.pump(sub, self._on_plan, job=self.job, consumer="executor", batch=8)
@@ -214,6 +233,7 @@ class ExecutorService:
         task.add_done_callback(lambda _t: self._running.pop(plan_id, None))
 
     async def _run(self, record: MigrationRecord) -> None:
+        plan_id = record.plan.plan_id
         migration = Migration(
             self._nc,
             record,
@@ -222,9 +242,25 @@ class ExecutorService:
             self._survivors,
             margin=self.margin,
             timeout_s=self.timeout_s,
-            settle=lambda machine: self._settle(record.plan.plan_id, machine),
+            settle=lambda machine: self._settle(plan_id, machine),
         )
-        final = await migration.run()
+        while True:
+            try:
+                final = await migration.run()
+                break
+            except Exception as err:
+                # A write that outlasted the bus's failover. The event must still get its
+                # end: the migration goes on from where it was (its commands are
+                # idempotent, its end is published again under the same message id).
+                log.error(
+                    "migration_interrupted",
+                    job=self.job,
+                    plan_id=plan_id,
+                    phase=record.phase,
+                    error=f"{type(err).__name__}: {err}",
+                    exc_info=True,
+                )
+                await asyncio.sleep(RERUN_PAUSE_S)
         outcome = "done" if final.phase == "done" else "failed"
         self._m_migrations.labels(kind=final.plan.migration, outcome=outcome).inc()
         if outcome == "done":
@@ -380,7 +416,7 @@ class ExecutorService:
         kv = self._kv
         assert kv is not None
         key = f"migration.{record.plan.plan_id}"
-        await bus.through_failover(lambda: kv.put(key, record.to_json()), key)
+        await bus.through_failover(lambda: kv.put(key, record.to_json()), key, self.failover_s)
 
     async def _publish(self, progress: MigrationProgress) -> None:
         payload = progress.to_json()
@@ -393,6 +429,7 @@ class ExecutorService:
                 self._subjects.progress, payload, headers={"Nats-Msg-Id": msg_id}, timeout=5
             ),
             f"progress {key}",
+            self.failover_s,
         )
         log.info(
             "progress",

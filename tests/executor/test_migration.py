@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from nats.errors import TimeoutError as NatsTimeout
 
 from tests.conftest import sample_state
 from trainmover.messages import (
@@ -99,6 +100,8 @@ class Harness:
     passed_while_saving: list[int] = field(default_factory=list)
     #: (machine, progress states published so far) for each settle the migration asked.
     settled: list[tuple[str, list[str]]] = field(default_factory=list)
+    #: Progress states whose first publish times out past the bus's failover.
+    lost_publish: set[str] = field(default_factory=set)
 
     def migration(self, record: MigrationRecord) -> Migration:
         async def save(record: MigrationRecord) -> None:
@@ -107,6 +110,9 @@ class Harness:
                 self.sidecars.passed += self.passed_while_saving.pop(0)
 
         async def publish(progress: MigrationProgress) -> None:
+            if progress.state in self.lost_publish:
+                self.lost_publish.discard(progress.state)
+                raise NatsTimeout
             self.published.append(progress)
 
         async def survivors() -> list[str]:
@@ -250,6 +256,39 @@ def test_a_leaver_whose_worker_died_is_left_to_the_planner_before_the_migration_
     assert [machine for machine, _ in h.settled] == ["m1"]
     assert "failed" not in h.settled[0][1]  # settled before the failure was published
     assert h.states()[-1] == "failed"
+
+
+@pytest.mark.parametrize(
+    ("refuse", "end"), [(set(), "done"), ({("prepare", "m1")}, "retrying")], ids=["done", "failed"]
+)
+def test_an_end_the_bus_refused_is_published_when_the_migration_runs_again(refuse, end) -> None:
+    plan = drain_plan()
+    h = harness(plan, refuse=refuse)
+    h.lost_publish = {end}
+    migration = h.migration(MigrationRecord(plan=plan))
+    with pytest.raises(NatsTimeout):
+        asyncio.run(migration.run())
+    sent = list(h.sidecars.sent)
+    assert end not in h.states()
+    final = asyncio.run(migration.run())
+    assert h.states()[-1] == end and h.states().count(end) == 1
+    assert final.phase == ("done" if end == "done" else "failed")
+    assert h.saved[-1].phase == final.phase
+    assert h.sidecars.sent == sent  # nothing sent again: only the end was missing
+
+
+def test_a_write_the_bus_refused_after_the_switch_does_not_fail_the_migration() -> None:
+    plan = drain_plan()
+    h = harness(plan)
+    h.lost_publish = {"releasing"}
+    migration = h.migration(MigrationRecord(plan=plan))
+    with pytest.raises(NatsTimeout):
+        asyncio.run(migration.run())
+    final = asyncio.run(migration.run())
+    assert final.phase == "done" and final.error is None
+    # The joiner holds its role: it is never told to give it back.
+    assert "abort" not in [op for op, _ in h.sidecars.ops()]
+    assert h.states() == ["phase1", "committing", "transferring", "releasing", "done"]
 
 
 # -- a failure ---------------------------------------------------------------------------
