@@ -27,6 +27,17 @@ async def test_ensure_job_is_idempotent(nc, job):
     assert set(JobSubjects(job).streams) <= names
 
 
+async def test_bucket_keys_lists_every_key_written_in_one_request(nc, job):
+    js = nc.jetstream()
+    bucket = JobSubjects(job).executor_bucket
+    kv = await js.create_key_value(bucket=bucket, history=4)
+    assert await bus.bucket_keys(js, bucket) == []
+    for key in ("migration.b", "migration.a", "migration.b", "migration.c"):
+        await kv.put(key, b"{}")
+    await kv.delete("migration.c")  # a delete marker: listed, and a read says so
+    assert await bus.bucket_keys(js, bucket) == ["migration.a", "migration.b", "migration.c"]
+
+
 async def test_unreachable_server_is_one_clear_error():
     with pytest.raises(bus.BusUnreachable, match="nothing listens"):
         await bus.connect("nats://127.0.0.1:1", "test")

@@ -26,7 +26,7 @@ import hashlib
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from trainmover import bus, replication
@@ -154,12 +154,8 @@ class ExecutorService:
         server) raises: taken for an empty bucket, it would orphan the records."""
         kv = self._kv
         assert kv is not None
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return []
         records = []
-        for key in keys:
+        for key in await bus.bucket_keys(self._js, self._subjects.executor_bucket):
             try:
                 entry = await kv.get(key)
             except KeyNotFoundError:

@@ -11,11 +11,11 @@ stays in TM_<job>.
 from __future__ import annotations
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from trainmover import replication
+from trainmover import bus, replication
 from trainmover.logs import get_logger
 from trainmover.services.health_monitor.dedup import Incident
 from trainmover.subjects import JobSubjects
@@ -52,21 +52,20 @@ def record_key(kind: str, machine: str) -> str:
 class IncidentStore:
     """The health bucket of one job."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, js: JetStreamContext, bucket: str, kv: KeyValue) -> None:
+        self._js = js
+        self._bucket = bucket
         self._kv = kv
 
     @classmethod
     async def open(cls, js: JetStreamContext, job: str) -> IncidentStore:
-        return cls(await replication.key_value(js, JobSubjects(job).health_bucket, history=1))
+        bucket = JobSubjects(job).health_bucket
+        return cls(js, bucket, await replication.key_value(js, bucket, history=1))
 
     async def load(self) -> list[IncidentRecord]:
         """Every stored record; an unreadable one is logged and dropped."""
-        try:
-            keys = await self._kv.keys()
-        except NoKeysError:
-            return []
         out = []
-        for key in keys:
+        for key in await bus.bucket_keys(self._js, self._bucket):
             try:
                 entry = await self._kv.get(key)
             except KeyNotFoundError:

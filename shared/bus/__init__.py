@@ -6,7 +6,8 @@ One module per job:
   process's credentials, and a refusal of a server that does not check them),
   `publish` and `subscribe` that raise PermissionDenied when the server refuses them.
 - `jobs`: `ensure_job` creates a job's streams and key-value bucket idempotently
-  (file storage, replicated across a cluster); `job_bucket` opens the bucket.
+  (file storage, replicated across a cluster); `job_bucket` opens the bucket;
+  `bucket_keys` lists a bucket's keys.
 - `durable`: `pump` consumes in order through failed handling, `publish_durable`
   waits for the ack (the message id deduplicates retries), `through_failover` retries
   a write through a leader election, `dead_letter` records rejected input.
@@ -36,7 +37,13 @@ from trainmover.bus.durable import (
     through_failover,
 )
 from trainmover.bus.follow import follow
-from trainmover.bus.jobs import DUPLICATE_WINDOW_S, MAX_PAYLOAD, ensure_job, job_bucket
+from trainmover.bus.jobs import (
+    DUPLICATE_WINDOW_S,
+    MAX_PAYLOAD,
+    bucket_keys,
+    ensure_job,
+    job_bucket,
+)
 from trainmover.security.denials import PermissionDenied
 
 __all__ = [
@@ -52,6 +59,7 @@ __all__ = [
     "CommandServer",
     "Handler",
     "PermissionDenied",
+    "bucket_keys",
     "connect",
     "dead_letter",
     "ensure_job",

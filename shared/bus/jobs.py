@@ -2,7 +2,8 @@
 
 `ensure_job` creates them idempotently (file storage, so they survive a server restart;
 replicated across a cluster, see trainmover.replication, which also creates a service's
-own buckets) and brings an older stream's settings up to date.
+own buckets) and brings an older stream's settings up to date. `bucket_keys` lists a
+bucket's keys.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from nats.js.kv import KeyValue
 from trainmover import replication
 from trainmover.messages import MAX_MESSAGE_BYTES
 from trainmover.security import denials
-from trainmover.subjects import JobSubjects
+from trainmover.subjects import JobSubjects, kv_stream, kv_subjects
 
 MAX_PAYLOAD = MAX_MESSAGE_BYTES
 """Largest message any service accepts (bytes); larger input is dead-lettered."""
@@ -75,3 +76,13 @@ async def _job_bucket(js: JetStreamContext, job: str, create: bool = False) -> K
     if not create:
         return await js.key_value(bucket)
     return await replication.key_value(js, bucket, history=16)
+
+
+async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
+    """The keys of `bucket` that hold a value or a delete marker, in one request that
+    times out like any other. (nats-py's `KeyValue.keys` waits for the end marker of a
+    watch, which a slow server can make it drop: then it waits for ever.) A key read
+    after this may be gone: reads skip KeyNotFoundError."""
+    prefix = kv_subjects(bucket)[:-1]
+    info = await js.stream_info(kv_stream(bucket), subjects_filter=kv_subjects(bucket))
+    return sorted(subject[len(prefix) :] for subject in info.state.subjects or {})
