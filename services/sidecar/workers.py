@@ -16,6 +16,7 @@ for all of them, with one `WorkerChannel` shared by every machine of its job.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,9 @@ class MachineWorkers:
         self._as_standby = False
         self._lock = threading.Lock()
         self.tracker.listeners.append(self._on_event)
+        #: This launch of the machine's workers: its ranks find their machine's vote
+        #: store under it (`trainmover.runtime.machinevote`).
+        self.launch_id = uuid.uuid4().hex
 
     @property
     def refs(self) -> list[RankRef]:
@@ -132,6 +136,7 @@ class MachineWorkers:
         with self._lock:
             self.cell = None
             self._as_standby = as_standby
+            self.launch_id = uuid.uuid4().hex
         for ref in self.refs:
             proc = self.starter.spawn(
                 ref, self.entry, self.control.address, self._config_path, self.run_dir
@@ -238,6 +243,7 @@ class MachineWorkers:
             groups=groups,
             limit=self._limit(),
             store=self.store_address if role is not None else "",
+            launch=self.launch_id,
         )
 
     def _on_event(self, ref: RankRef, msg: c.Message) -> None:

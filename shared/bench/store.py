@@ -7,10 +7,15 @@ replica is SIGKILLed `--kills` times while the job trains. Per loss: the trainin
 lost, i.e. the longest gap between two steps of any machine around the loss, less the
 median step.
 (b) The per-step commit vote: rounds of `--steps` votes at 4, 8 and 16 ranks, one
-process per rank, alternating the runtime's own agreement (failover client) with the
-same vote on a bare TCPStore (the store before it had replicas), side by side in one
-run. A linear fit of the median vote against the number of ranks projects it to 1,024
-ranks; both are put beside the job's median step from (a).
+process per rank, alternating three modes side by side in one run: the runtime's own
+agreement with one voter per machine of `--local-ranks` ranks (each machine's ranks
+count their votes in its own store), the same agreement with every rank a voter, and
+the flat vote on a bare TCPStore (the store before it had replicas). Per mode: the
+median vote, and the job's store's CPU time per step (it serves every machine of the
+job: the part that does not shrink when ranks get their own cores, as they have on a
+real cluster). Projection to 1,024 ranks on machines of 8: the vote of one machine as
+measured here, plus the job's store's CPU per voter times the further voters. Both are
+put beside the job's median step from (a).
 """
 
 from __future__ import annotations
@@ -32,13 +37,19 @@ from trainmover.bench import plot
 from trainmover.bench.report import Progress, Result, markdown_table, outputs, ratio, summary
 from trainmover.localcluster import LocalCluster
 from trainmover.runtime.config import JobConfig
-from trainmover.runtime.rendezvous import RendezvousHost
 
 WAIT_S = 600.0
-MODES = ("trainmover", "tcpstore")
+MODES = ("machines", "trainmover", "tcpstore")
+MODE_NAMES = {
+    "machines": "TrainMover, a voter per machine",
+    "trainmover": "TrainMover, a voter per rank",
+    "tcpstore": "bare TCPStore, a voter per rank",
+}
 #: Votes of a round's start left out (processes starting at different times).
 WARMUP = 5
 PROJECTED_RANKS = 1024
+#: Ranks per machine of the projected job (GPUs per machine).
+PROJECTED_LOCAL = 8
 CONFIG = JobConfig(job="storeloss").with_updates(
     layout={"tp": 1},
     train={"steps": 100_000},
@@ -54,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ranks", default="4,8,16", help="world sizes of the vote rounds (default 4,8,16)"
     )
     parser.add_argument("--steps", type=int, default=60, help="votes per round (default 60)")
+    parser.add_argument(
+        "--local-ranks",
+        type=int,
+        default=4,
+        help="ranks per machine of the per-machine vote (default 4; divides every size)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds per mode and size")
     parser.add_argument("--run-dir", type=Path, help="where the job runs (default: temp)")
 
@@ -121,39 +138,94 @@ async def _losses(args: argparse.Namespace, progress: Progress) -> dict[str, Any
 # -- (b) the per-step vote -----------------------------------------------------------------
 
 
-def _round(mode: str, world: int, steps: int) -> list[float]:
-    """One round: `world` processes voting `steps` times on a fresh store replica."""
-    host = RendezvousHost()
+class _Host:
+    """A helper process hosting the job's store or machine stores (`store_worker host`)."""
+
+    def __init__(self, what: str):
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "trainmover.bench.store_worker", "host", what],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self._proc.stdout is not None
+        self.addresses = json.loads(self._proc.stdout.readline())
+
+    def close(self) -> list[tuple[float, float]]:
+        """Stops it; its CPU time sampled while it ran: (time.monotonic(), seconds)."""
+        out, _ = self._proc.communicate(timeout=WAIT_S)
+        if self._proc.returncode != 0:
+            raise RuntimeError(f"a store host exited with code {self._proc.returncode}")
+        return [(t, cpu) for t, cpu in json.loads(out)]
+
+
+def _cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float:
+    """CPU seconds used between two instants, interpolated between samples."""
+    times = [t for t, _ in samples]
+    cpu = [c for _, c in samples]
+    return float(np.interp(end, times, cpu) - np.interp(start, times, cpu))
+
+
+def _round(mode: str, world: int, steps: int, local: int) -> tuple[list[float], float, float]:
+    """One round: `world` processes voting `steps` times on a fresh job store. Returns the
+    votes' seconds, the job's store's CPU seconds per step, and each machine store's."""
+    job = _Host("job")
+    machines = _Host(str(world // local)) if mode == "machines" else None
     try:
+        extra: list[list[str]] = [[] for _ in range(world)]
+        if machines is not None:
+            extra = [[machines.addresses[rank // local], str(local)] for rank in range(world)]
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "trainmover.bench.store_worker", host.address,
-                 str(rank), str(world), mode, str(steps)],
+                [sys.executable, "-m", "trainmover.bench.store_worker", job.addresses,
+                 str(rank), str(world), mode, str(steps), *extra[rank]],
                 stdout=subprocess.PIPE, text=True,
             )
             for rank in range(world)
         ]  # fmt: skip
-        seconds: list[float] = []
+        spans: list[list[tuple[float, float]]] = []
         for proc in procs:
             out, _ = proc.communicate(timeout=WAIT_S)
             if proc.returncode != 0:
                 raise RuntimeError(f"a {mode} voter exited with code {proc.returncode}")
-            seconds += json.loads(out)[WARMUP:]
-        return seconds
+            spans.append([(a, b) for a, b in json.loads(out)[WARMUP:]])
     finally:
-        host.close()
+        job_samples = job.close()
+        machine_samples = machines.close() if machines is not None else []
+    # The steady votes: from the first of them to start to the last to end.
+    start = min(s[0][0] for s in spans)
+    end = max(s[-1][1] for s in spans)
+    voted = steps - WARMUP
+    job_cpu = _cpu_between(job_samples, start, end) / voted
+    machine_cpu = (
+        _cpu_between(machine_samples, start, end) / voted / (world // local)
+        if machine_samples
+        else 0.0
+    )
+    return [b - a for s in spans for a, b in s], job_cpu, machine_cpu
+
+
+def _voters(mode: str, world: int, local: int) -> int:
+    return world // local if mode == "machines" else world
 
 
 def _votes(args: argparse.Namespace, progress: Progress) -> list[dict[str, Any]]:
-    """Per world size: each mode's median vote (ms) and its spread (`<mode>_vote`)."""
+    """Per world size and mode: the median vote (ms), its spread (`<mode>_vote`), the
+    voters in the job's store and its CPU per step (`<mode>_store_cpu_ms`); for the
+    per-machine vote, each machine store's CPU per step too."""
     sizes = [int(n) for n in args.ranks.split(",")]
+    if any(n % args.local_ranks for n in sizes):
+        raise SystemExit(f"--local-ranks {args.local_ranks} must divide every size in --ranks")
     samples: dict[tuple[str, int], list[float]] = {(m, n): [] for m in MODES for n in sizes}
+    cpu: dict[tuple[str, int], list[float]] = {(m, n): [] for m in MODES for n in sizes}
+    machine_cpu: dict[tuple[str, int], list[float]] = {(m, n): [] for m in MODES for n in sizes}
     for _ in range(args.rounds):
         for world in sizes:
             for mode in MODES:  # side by side: alternating in one run
-                samples[(mode, world)] += _round(mode, world, args.steps)
+                seconds, store_cpu, local_cpu = _round(mode, world, args.steps, args.local_ranks)
+                samples[(mode, world)] += seconds
+                cpu[(mode, world)].append(store_cpu)
+                machine_cpu[(mode, world)].append(local_cpu)
                 median_ms = 1e3 * statistics.median(samples[(mode, world)])
-                progress.step(f"{mode} vote at {world} ranks: median {median_ms:.2f} ms")
+                progress.step(f"{MODE_NAMES[mode]} at {world} ranks: median {median_ms:.2f} ms")
     rows = []
     for world in sizes:
         row: dict[str, Any] = {"ranks": world}
@@ -161,20 +233,38 @@ def _votes(args: argparse.Namespace, progress: Progress) -> list[dict[str, Any]]
             ms = [1e3 * v for v in samples[(mode, world)]]
             row[f"{mode}_vote_ms"] = statistics.median(ms)
             row[f"{mode}_vote"] = summary(ms)
+            row[f"{mode}_voters"] = _voters(mode, world, args.local_ranks)
+            row[f"{mode}_store_cpu_ms"] = 1e3 * statistics.median(cpu[(mode, world)])
+        row["machines_machine_store_cpu_ms"] = 1e3 * statistics.median(
+            machine_cpu[("machines", world)]
+        )
         row["ratio"] = ratio(row["trainmover_vote_ms"], row["tcpstore_vote_ms"])
+        row["machines_ratio"] = ratio(row["machines_vote_ms"], row["trainmover_vote_ms"])
         rows.append(row)
     return rows
 
 
 def _projection(rows: list[dict[str, Any]], mode: str) -> dict[str, float]:
-    """vote_ms = a + b * ranks, fitted; the store serves each rank's requests in turn."""
+    """The vote at PROJECTED_RANKS ranks on machines of PROJECTED_LOCAL: the smallest
+    round's vote (its few voters' round trips) plus the job's store's CPU per voter,
+    fitted, for each further voter. Beside it, the old reading: the vote's wall time
+    fitted against the ranks on this host (where 16 processes share 2 cores)."""
+    voters = np.array([r[f"{mode}_voters"] for r in rows], dtype=float)
+    store = np.array([r[f"{mode}_store_cpu_ms"] for r in rows])
+    per_voter = float(np.polyfit(voters, store, 1)[0]) if len(rows) > 1 else 0.0
+    projected_voters = PROJECTED_RANKS // (PROJECTED_LOCAL if mode == "machines" else 1)
+    base = rows[0]
+    at = base[f"{mode}_vote_ms"] + max(per_voter, 0.0) * (projected_voters - voters[0])
     x = np.array([r["ranks"] for r in rows], dtype=float)
     y = np.array([r[f"{mode}_vote_ms"] for r in rows])
     b, a = np.polyfit(x, y, 1) if len(rows) > 1 else (0.0, float(y[0]))
     return {
-        "a_ms": float(a),
-        "b_ms_per_rank": float(b),
-        "at_1024_ms": float(a + b * PROJECTED_RANKS),
+        "store_cpu_ms_per_voter": per_voter,
+        "voters_at_1024": projected_voters,
+        "at_1024_ms": float(at),
+        "wall_fit_a_ms": float(a),
+        "wall_fit_b_ms_per_rank": float(b),
+        "wall_fit_at_1024_ms": float(a + b * PROJECTED_RANKS),
     }
 
 
@@ -186,21 +276,25 @@ def main(args: argparse.Namespace) -> int:
     step_ms = 1e3 * losses["median_step_s"]
     projection = {m: _projection(votes, m) for m in MODES}
     for row in votes:
-        row["trainmover_share_of_step"] = row["trainmover_vote_ms"] / step_ms
-    result = Result("store", kills=args.kills, ranks=args.ranks, steps=args.steps)
+        for mode in MODES:
+            row[f"{mode}_share_of_step"] = row[f"{mode}_vote_ms"] / step_ms
+    result = Result(
+        "store", kills=args.kills, ranks=args.ranks, steps=args.steps, local_ranks=args.local_ranks
+    )
     result.set("loss", losses)
     result.set("votes", votes)
     result.set("projection", projection)
-    largest = votes[-1]
+    # The runtime votes per machine wherever a machine has several ranks.
+    largest, projected = votes[-1], projection["machines"]
     result.set(
         "goals",
         {
             "lost_s_max": losses["lost_s_max"],
             "lost_met": losses["lost_s_max"] <= 2.0,
-            "vote_share_at_largest": largest["trainmover_share_of_step"],
-            "vote_share_met": largest["trainmover_share_of_step"] <= 0.05,
-            "projected_share_at_1024": projection["trainmover"]["at_1024_ms"] / step_ms,
-            "projected_met": projection["trainmover"]["at_1024_ms"] / step_ms <= 0.10,
+            "vote_share_at_largest": largest["machines_share_of_step"],
+            "vote_share_met": largest["machines_share_of_step"] <= 0.05,
+            "projected_share_at_1024": projected["at_1024_ms"] / step_ms,
+            "projected_met": projected["at_1024_ms"] / step_ms <= 0.10,
         },
     )
     path = result.write(args.json)
@@ -212,29 +306,30 @@ def main(args: argparse.Namespace) -> int:
         ],
     )
     vote_table = markdown_table(
-        ["ranks", "TrainMover vote ms", "bare TCPStore vote ms", "ratio", "share of step"],
+        ["ranks", *(f"{MODE_NAMES[m]}: vote ms (store CPU ms)" for m in MODES),
+         "per machine / per rank", "share of step"],
         [
-            [r["ranks"], r["trainmover_vote_ms"], r["tcpstore_vote_ms"], r["ratio"],
-             r["trainmover_share_of_step"]]
+            [r["ranks"],
+             *(f"{r[f'{m}_vote_ms']:.3f} ({r[f'{m}_store_cpu_ms']:.3f})" for m in MODES),
+             r["machines_ratio"], r["machines_share_of_step"]]
             for r in votes
         ],
     )  # fmt: skip
-    p = projection["trainmover"]
-    text = (
-        f"{loss_table}\n\n{vote_table}\n\nprojected vote at {PROJECTED_RANKS} ranks: "
-        f"{p['at_1024_ms']:.1f} ms ({p['a_ms']:.2f} + {p['b_ms_per_rank']:.3f} x ranks), "
-        f"{100 * result.get('goals.projected_share_at_1024'):.1f}% of the job's median step\n"
-    )
+    lines = [
+        f"{MODE_NAMES[m]}: {p['at_1024_ms']:.1f} ms at {PROJECTED_RANKS} ranks "
+        f"({p['voters_at_1024']} voters x {p['store_cpu_ms_per_voter']:.4f} ms of store CPU), "
+        f"{100 * p['at_1024_ms'] / step_ms:.1f}% of the job's median step "
+        f"(wall-time fit on this host: {p['wall_fit_at_1024_ms']:.1f} ms)"
+        for m, p in projection.items()
+    ]
+    text = f"{loss_table}\n\n{vote_table}\n\nprojected:\n" + "\n".join(lines) + "\n"
     md, png = outputs(path)
     md.write_text(text)
     plot.lines(
         png,
         "Per-step commit vote vs ranks (loopback)",
         [r["ranks"] for r in votes],
-        {
-            "TrainMover (failover store client)": [r["trainmover_vote"] for r in votes],
-            "bare TCPStore": [r["tcpstore_vote"] for r in votes],
-        },
+        {MODE_NAMES[m]: [r[f"{m}_vote"] for r in votes] for m in MODES},
         "ranks",
         "ms per vote",
     )

@@ -1,63 +1,129 @@
 """One rank of `trainmover bench store`'s vote rounds: votes on `--steps` steps through
-the rendezvous store and prints each vote's seconds as JSON.
+the rendezvous store and prints each vote's start and end as JSON.
 
-    python -m trainmover.bench.store_worker ADDRESS RANK WORLD MODE STEPS
+    python -m trainmover.bench.store_worker ADDRESS RANK WORLD MODE STEPS [MACHINE LOCAL]
 
 MODE `trainmover`: the runtime's own commit agreement (`CommitAgreement`: a counted
-decision of the failover client, its watcher thread). MODE `tcpstore`: the same vote on a
-bare TCPStore client, as the runtime made it before the store had replicas (one add, the
-last voter's compare-and-set, a wait for the decision).
+decision of the failover client, its watcher thread), every rank a voter in the job's
+store. MODE `machines`: the same agreement with one voter per machine: the rank counts
+its vote in its machine's store (address MACHINE) with the machine's other LOCAL ranks
+(`trainmover.runtime.machinevote`). MODE `tcpstore`: the flat vote on a bare TCPStore
+client, as the runtime made it before the store had replicas (one add, the last voter's
+compare-and-set, a wait for the decision).
+
+    python -m trainmover.bench.store_worker host job|MACHINES
+
+hosts the job's store (a rendezvous replica), or MACHINES machine stores (as their
+sidecars would), prints the address(es) as JSON, keeps them until its stdin closes, then
+prints its CPU time sampled meanwhile: what the stores' serving cost, apart from the
+voters' and the bench's own processes, over any window of the votes.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import resource
 import sys
+import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from trainmover.runtime.abort import AbortSignal
 from trainmover.runtime.agreement import CommitAgreement
+from trainmover.runtime.machinevote import MachineStore, MachineTally
+from trainmover.runtime.rendezvous import RendezvousHost
 
 TIMEOUT_S = 120.0
+#: How often a store host samples its CPU time.
+SAMPLE_S = 0.005
 
 
-def trainmover_votes(address: str, world: int, steps: int) -> list[float]:
-    agreement = CommitAgreement(address, "bench", world, AbortSignal("e0"), 0, TIMEOUT_S)
-    seconds = []
+Span = tuple[float, float]
+"""A vote's start and end (`time.monotonic`: one clock for every process of the host)."""
+
+
+def trainmover_votes(
+    address: str, world: int, steps: int, machine: MachineTally | None = None
+) -> list[Span]:
+    agreement = CommitAgreement(
+        address, "bench", world, AbortSignal("e0"), 0, TIMEOUT_S, machine=machine
+    )
+    spans = []
     for step in range(1, steps + 1):
         agreement.begin(step)
-        started = time.perf_counter()
+        started = time.monotonic()
         agreement.vote(step)
-        seconds.append(time.perf_counter() - started)
+        spans.append((started, time.monotonic()))
     agreement.close()
-    return seconds
+    return spans
 
 
-def tcpstore_votes(address: str, world: int, steps: int) -> list[float]:
+def tcpstore_votes(address: str, world: int, steps: int) -> list[Span]:
     host, _, port = address.rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
-    seconds = []
+    spans = []
     for step in range(1, steps + 1):
         key = f"bench/commit/e0/{step}"
-        started = time.perf_counter()
+        started = time.monotonic()
         if store.add(f"{key}/votes", 1) == world:
             store.compare_set(f"{key}/decision", "", "commit")
         store.wait([f"{key}/decision"], timedelta(seconds=TIMEOUT_S))
         if store.get(f"{key}/decision") != b"commit":
             raise RuntimeError(f"step {step} not committed")
-        seconds.append(time.perf_counter() - started)
-    return seconds
+        spans.append((started, time.monotonic()))
+    return spans
+
+
+def host(what: str) -> None:
+    if what == "job":
+        stores: list[Any] = [RendezvousHost()]
+        addresses: str | list[str] = stores[0].address
+    else:
+        stores = [MachineStore() for _ in range(int(what))]
+        addresses = [s.address for s in stores]
+    samples: list[tuple[float, float]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(SAMPLE_S):
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            samples.append((time.monotonic(), usage.ru_utime + usage.ru_stime))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    print(json.dumps(addresses), flush=True)
+    sys.stdin.read()
+    done.set()
+    sampler.join()
+    print(json.dumps(samples), flush=True)
 
 
 def main(argv: list[str]) -> int:
-    address, _rank, world, mode, steps = argv
-    run = trainmover_votes if mode == "trainmover" else tcpstore_votes
-    print(json.dumps(run(address, int(world), int(steps))), flush=True)
+    if argv[0] == "host":
+        host(argv[1])
+        return 0
+    address, rank, world, mode, steps, *machine = argv
+    if mode == "machines":
+        machine_address, local = machine
+        local_rank = int(rank) % int(local)
+        tally = MachineTally(machine_address, local_rank, int(local), TIMEOUT_S)
+        spans = trainmover_votes(address, int(world), int(steps), tally)
+    elif mode == "trainmover":
+        spans = trainmover_votes(address, int(world), int(steps))
+    else:
+        spans = tcpstore_votes(address, int(world), int(steps))
+    print(json.dumps(spans), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # As a worker does: no interpreter teardown while the vote's watcher thread may be
+    # inside a store wait (torn down under it, the thread can end the process with
+    # SIGABRT).
+    sys.stdout.flush()
+    os._exit(code)

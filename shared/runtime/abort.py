@@ -162,6 +162,11 @@ class AbortSignal:
         with self._cond:
             return self._reason is not None
 
+    def wait(self, timeout_s: float) -> bool:
+        """Blocks until the current epoch is aborted (True) or `timeout_s` passed."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._reason is not None, timeout_s)
+
     def set(self, epoch: str, reason: str) -> bool:
         """Aborts `epoch` if it is the current one; False for a stale (late) signal."""
         with self._cond:

@@ -21,6 +21,11 @@ cannot touch the new one. An aborted epoch never commits again: aborting writes 
 into the decision of the first undecided step (if the step was already committed, into
 the next one, which this rank will then never vote for).
 
+With a machine store (`trainmover.runtime.machinevote`), the voters in the job's store
+are machines, not ranks: the last of a machine's ranks to arrive casts its machine's
+vote (threshold: the machines), and local rank 0's watcher relays each decision into the
+machine's store, where its other ranks watch it.
+
 The vote is a counted decision of `trainmover.runtime.storeclient`: when the store's
 serving replica is lost, each rank re-casts the decisions it saw and its votes into the
 next one, so a step decided before the loss keeps its decision, and one undecided is
@@ -36,6 +41,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from trainmover.runtime.abort import AbortSignal, StepAborted
+from trainmover.runtime.machinevote import MachineTally
 from trainmover.runtime.storeclient import Store
 
 COMMIT = "commit"
@@ -58,8 +64,13 @@ class CommitAgreement:
         signal: AbortSignal,
         committed: int,
         timeout_s: float,
+        machine: MachineTally | None = None,
     ):
+        """`machine`: this rank's machine tally, where its machine votes as one."""
         self.job, self.world, self.signal = job, world, signal
+        self._machine = machine
+        #: Voters in the job's store: the machines, or every rank.
+        self.voters = world // machine.local_world if machine is not None else world
         self.timeout_s = timeout_s
         self.epoch = signal.epoch
         #: Last step this rank applied (the decision was "commit").
@@ -97,11 +108,7 @@ class CommitAgreement:
         decision is abort (nothing of the step may then be applied)."""
         started = time.perf_counter()
         epoch = self.epoch
-        decision = self.key(epoch, step, "decision")
-        if (
-            self._vote.vote(self.key(epoch, step, "votes"), self.world, decision, COMMIT)
-            == self.world
-        ):
+        if self._cast(epoch, step):
             # Every rank has read step - 1's decision before voting for this one.
             for what in ("votes", "decision"):
                 self._vote.delete_key(self.key(epoch, step - 1, what))
@@ -114,6 +121,22 @@ class CommitAgreement:
         if verdict != COMMIT:
             raise StepAborted(f"step {step} aborted by the commit agreement")
         self.committed = step
+
+    def _cast(self, epoch: str, step: int) -> bool:
+        """This rank's vote for `step`, or its machine's; True for the vote the job's
+        store needed last."""
+        decision = self.key(epoch, step, "decision")
+        if self._machine is not None:
+            try:
+                if not self._machine.arrive(self.key(epoch, step, "machine")):
+                    return False
+                # Every rank of the machine has read step - 1's decision.
+                self._machine.forget(self.key(epoch, step - 1, "machine"))
+            except RuntimeError as err:  # the machine's store went with its sidecar
+                self.abort(f"the machine's vote store is gone: {err}")
+                return False
+        votes = self.key(epoch, step, "votes")
+        return self._vote.vote(votes, self.voters, decision, COMMIT) == self.voters
 
     def _await_verdict(self, epoch: str, step: int, started: float) -> str | None:
         """The decision of `step`, waited for up to `timeout_s`; while it does not come,
@@ -154,11 +177,12 @@ class CommitAgreement:
         if epoch != self.epoch:
             return False
         step = self.committed + 1
+        # Before the decision: this rank's own reason, not its watcher's echo of it.
+        self.signal.set(epoch, reason)
         with self._abort_lock:
             won = self._abort.compare_set(self.key(epoch, step, "decision"), "", ABORT)
             if won.decode() == COMMIT:  # already committed: the next step can never be
                 self._abort.compare_set(self.key(epoch, step + 1, "decision"), "", ABORT)
-        self.signal.set(epoch, reason)
         return True
 
     def close(self) -> None:
@@ -181,11 +205,9 @@ class CommitAgreement:
                     return
                 target = self._target
             assert target is not None
-            key = self.key(*target, "decision")
             started = time.monotonic()
             try:
-                self._watch_store.wait([key], _WATCH_SLICE)
-                value = self._watch_store.get(key).decode()
+                value = self._decision(*target)
             except RuntimeError:  # not decided within the slice, or the store went away
                 if time.monotonic() - started < _WATCH_SLICE.total_seconds() / 2:
                     time.sleep(0.1)  # an error, not a slice: do not spin
@@ -195,3 +217,20 @@ class CommitAgreement:
                 self._cond.notify_all()
             if value == ABORT:
                 self.signal.set(target[0], f"step {target[1]} aborted")
+            if self._machine is not None and self._machine.relays:
+                try:
+                    self._machine.relay(self.key(*target, "machine"), value)
+                except RuntimeError:  # the machine's store went with its sidecar
+                    pass
+
+    def _decision(self, epoch: str, step: int) -> str:
+        """The step's decision, from the job's store or (a rank its machine's local rank 0
+        relays to) from the machine's; RuntimeError when none came within a slice."""
+        if self._machine is not None and not self._machine.relays:
+            return self._machine.wait(self.key(epoch, step, "machine"), _WATCH_SLICE)
+        key = self.key(epoch, step, "decision")
+        self._watch_store.wait([key], _WATCH_SLICE)
+        value = self._watch_store.peek(key)
+        if value is None:  # the key came and went: an old step's, deleted since
+            raise RuntimeError(f"{key} is gone")
+        return value.decode()

@@ -208,6 +208,10 @@ class Welcome(Message):
     groups: list[GroupSpec]
     limit: int
     store: str
+    #: The launch of the machine's workers this rank belongs to: its ranks find their
+    #: machine's vote store under it (`trainmover.runtime.machinevote`); empty: every
+    #: rank votes in the job's store.
+    launch: str = ""
 
 
 class StepDone(Message):

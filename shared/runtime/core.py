@@ -56,6 +56,9 @@ class Core:
     conn: c.Connection = field(init=False)
     #: The rendezvous store; a standby learns it with `prepare` or `recover`.
     store_address: str = ""
+    #: The launch of this machine's workers (`trainmover.runtime.machinevote`); empty
+    #: where each rank votes in the job's store.
+    launch: str = ""
     state: TrainingState | None = None
     #: Set once the user's code has built its role and tracked its state (`track`): a
     #: joiner is ready for its switch only then, so that building the model (seconds

@@ -21,6 +21,7 @@ from trainmover.runtime.abort import CollectiveError, StepAborted
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.core import Core
 from trainmover.runtime.layout import Role
+from trainmover.runtime.machinevote import MachineTally
 from trainmover.runtime.progress import Progress, ProgressBoard, StallWatch
 from trainmover.runtime.steptime import WAITS
 from trainmover.runtime.world import LazyWorld
@@ -75,6 +76,7 @@ class VoteEpochs:
                 core.signal,
                 committed,
                 core.config.runtime.failure_timeout_s,
+                machine=self._machine_tally(),
             )
             self.agreement.share.on_move.append(
                 lambda generation, incarnation: core.log.warning(
@@ -92,6 +94,21 @@ class VoteEpochs:
         self.agreement.reset(epoch, committed)
         assert self.stalls is not None
         self.stalls.board.progress = Progress(epoch=epoch, step=committed, voted=committed)
+
+    def _machine_tally(self) -> MachineTally | None:
+        """The machine's share of the vote, where it has several ranks (and a launch
+        that names their store)."""
+        core = self.core
+        local_world = core.config.layout.ranks_per_machine
+        if not core.launch or local_world == 1:
+            return None
+        return MachineTally.join(
+            core.store(),
+            f"{core.config.job}/machine-store/{core.me.machine}/{core.launch}",
+            core.me.local_rank,
+            local_world,
+            core.config.runtime.failure_timeout_s,
+        )
 
     def _watch_stalls(self) -> StallWatch:
         """This rank's entry on the progress board, and its judgement of held-back steps."""

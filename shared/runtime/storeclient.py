@@ -48,6 +48,9 @@ from trainmover.runtime.steptime import WAITS
 #: Where each replica names its role ("serving <incarnation>" or "standby <incarnation>").
 ROLE_KEY = "__trainmover/replica"
 SERVING, STANDBY = "serving", "standby"
+#: A value no key of the runtime holds: a compare-and-set expecting it only reads (the
+#: store answers the current value, or this one for a key it lacks).
+ABSENT = "__trainmover/absent"
 #: What `probe` says of a replica that listens but did not answer in time.
 UNKNOWN = "unknown"
 #: How long a connection to a replica may take (a dead host fails after this; a dead
@@ -406,6 +409,14 @@ class Store:
 
     def get(self, key: str) -> bytes:
         value, generation = self._run(lambda s: s.get(key))
+        return self._fact(key, value, generation)
+
+    def peek(self, key: str) -> bytes | None:
+        """The key's value, or None where it has none, in one request (`get` waits for
+        the key first: two). For a key just waited for: the decision a watcher saw."""
+        value, generation = self._run(lambda s: s.compare_set(key, ABSENT, ABSENT))
+        if value == ABSENT.encode():
+            return None
         return self._fact(key, value, generation)
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:

@@ -143,16 +143,22 @@ def test_scale(tmp_path: Path) -> None:
 def test_store(tmp_path: Path) -> None:
     out = tmp_path / "store.json"
     args = ["store", "--json", str(out), "--kills", "1", "--ranks", "2,4", "--steps", "12",
-            "--rounds", "1"]  # fmt: skip
+            "--rounds", "1", "--local-ranks", "2"]  # fmt: skip
     assert bench_main(args) == 0
     data = check_outputs(out)
-    check_keys(data, ["loss.lost_s_median", "loss.median_step_s", "projection.trainmover.at_1024_ms",
+    check_keys(data, ["loss.lost_s_median", "loss.median_step_s", "projection.machines.at_1024_ms",
+                      "projection.trainmover.store_cpu_ms_per_voter",
                       "goals.vote_share_at_largest", "goals.projected_share_at_1024"])  # fmt: skip
     (loss,) = data["loss"]["rows"]
     assert loss["new_incarnation"] and loss["failures_declared"] == 0
     assert [r["ranks"] for r in data["votes"]] == [2, 4]
     for row in data["votes"]:
         assert row["trainmover_vote_ms"] > 0 and row["tcpstore_vote_ms"] > 0
+        assert row["machines_vote_ms"] > 0 and row["machines_store_cpu_ms"] > 0
+        # Machines of 2 ranks: half the voters in the job's store.
+        assert row["machines_voters"] == row["ranks"] // 2
+        assert row["trainmover_voters"] == row["ranks"]
+    assert data["projection"]["machines"]["voters_at_1024"] == 1024 // 8
 
 
 @pytest.mark.parametrize("layout", ["1x2x2", "2x2x2", "8x8x16"])

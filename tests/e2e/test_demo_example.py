@@ -38,7 +38,9 @@ def run_demo(example: str, tmp_path: Path) -> dict:
     for m in report["migrations"]:
         assert set(m) == {f.name for f in dataclasses.fields(MigrationRow)}
         assert m["state"] == "done", m["detail"]
-        assert m["downtime_s"] is not None and m["downtime_s"] > 0
+        # Measured from the ranks' step timelines (0 where the move cost less than one
+        # normal step, as a loaded host's long steps make it: docs/glossary.md).
+        assert m["downtime_s"] is not None and "downtime" in m["phases"]
     return report
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.runtime.votes import vote_all
 from trainmover.runtime import checkpoint
-from trainmover.runtime.abort import AbortSignal, StepAborted
+from trainmover.runtime.abort import AbortSignal
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.layout import Layout, MachineRole, Role
 from trainmover.runtime.plan import compute_delta
@@ -41,34 +42,15 @@ def _ranks(address: str, world: int) -> list[CommitAgreement]:
     ]
 
 
-def _vote_all(ranks: list[CommitAgreement], step: int) -> list[str]:
-    outcome = [""] * len(ranks)
-
-    def vote(i: int) -> None:
-        ranks[i].begin(step)
-        try:
-            ranks[i].vote(step)
-            outcome[i] = "commit"
-        except StepAborted:
-            outcome[i] = "abort"
-
-    threads = [threading.Thread(target=vote, args=(i,)) for i in range(len(ranks))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return outcome
-
-
 def test_a_step_commits_only_when_every_rank_voted(store_address: str) -> None:
     ranks = _ranks(store_address, 3)
-    assert _vote_all(ranks, 1) == ["commit"] * 3
+    assert vote_all(ranks, 1) == ["commit"] * 3
     assert [r.committed for r in ranks] == [1, 1, 1]
     # A rank that never votes (blocked, or dead) holds the step until someone aborts:
     # then nobody applies it, and every rank's signal is set by the store's decision.
     ranks[2].begin(2)
     ranks[2].abort("peer died")
-    assert _vote_all(ranks[:2], 2) == ["abort", "abort"]
+    assert vote_all(ranks[:2], 2) == ["abort", "abort"]
     assert all(r.signal.is_set() for r in ranks) and ranks[0].committed == 1
     for r in ranks:
         r.close()
@@ -76,12 +58,12 @@ def test_a_step_commits_only_when_every_rank_voted(store_address: str) -> None:
 
 def test_an_abort_after_the_commit_stops_the_next_step(store_address: str) -> None:
     ranks = _ranks(store_address, 2)
-    _vote_all(ranks, 1)
+    vote_all(ranks, 1)
     ranks[0].committed = 0  # a rank that has not read step 1's verdict yet aborts
     ranks[0].abort("late")
     ranks[0].committed = 1
     # Step 1 stays committed; step 2 can never commit in this epoch.
-    assert _vote_all(ranks, 2) == ["abort", "abort"]
+    assert vote_all(ranks, 2) == ["abort", "abort"]
     for r in ranks:
         r.close()
 
@@ -92,7 +74,7 @@ def test_a_stale_epoch_abort_is_ignored(store_address: str) -> None:
     rank.reset("r1", committed=5)
     assert not rank.abort("old news", epoch="e0")
     assert not rank.signal.is_set()
-    assert _vote_all([rank], 6) == ["commit"]
+    assert vote_all([rank], 6) == ["commit"]
     rank.close()
 
 

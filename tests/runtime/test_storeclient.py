@@ -119,6 +119,22 @@ def test_a_decision_seen_before_the_loss_is_never_displaced(replicas: Replicas) 
     assert fourth.count("s/votes") == 4
 
 
+def test_a_peeked_decision_is_kept_through_the_loss_like_one_read(replicas: Replicas) -> None:
+    first, second = replicas.start(0), replicas.start(1)
+    _serving(first)
+    watcher, voter = replicas.client(), replicas.client()
+    assert watcher.peek("s/decision") is None  # a peek waits for nothing, creates nothing
+    assert watcher.check(["s/decision"]) is False
+    voter.compare_set("s/decision", "", "abort")
+    assert watcher.peek("s/decision") == b"abort"
+    voter.forget("s/")  # only the watcher's share holds the decision now
+    replicas.stop(0)
+    _serving(second)
+    assert watcher.count("s/other") == 0  # its first operation there re-casts its share
+    late = replicas.client()
+    assert late.compare_set("s/decision", "", "commit") == b"abort"
+
+
 def test_a_restarted_replica_comes_back_a_standby(replicas: Replicas) -> None:
     first, second = replicas.start(0), replicas.start(1)
     _serving(first)

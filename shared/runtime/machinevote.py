@@ -1,0 +1,106 @@
+"""The machine's half of the per-step commit vote: one voter per machine in the job's store.
+
+The job's rendezvous store serves every machine of the job; with one voter per rank its
+work per step grows with the ranks (each rank adds to the counter and waits for the
+decision). So the ranks of one machine count their votes in a store of their own
+(`MachineStore`, hosted by local rank 0), and only the last of them to arrive casts the
+machine's vote in the job's store: a step commits once every machine voted, and a
+machine votes only once all of its ranks did. Local rank 0 relays each decision it
+watches in the job's store into the machine's store, where the other ranks watch it.
+The job's store then sees one vote and one watcher per machine, whatever the ranks per
+machine. (torchft's managers do the same for their replica groups.)
+
+The ranks of one launch of a machine's workers (the sidecar names it in their welcome)
+find their store's address in the job's store under that launch. Nothing here outlives
+them: the machine's ranks leave, fail and are replaced together, and a relaunch is a new
+launch with a store of its own.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainmover.runtime.storeclient import ABSENT, Store
+
+HOST = "127.0.0.1"
+"""The machine's ranks share a host: the store listens on loopback."""
+
+
+class MachineStore:
+    """The store the ranks of one machine count their votes in (a TCPStore server on its
+    own thread, in local rank 0's process)."""
+
+    def __init__(self) -> None:
+        self._server = dist.TCPStore(
+            HOST, 0, is_master=True, wait_for_workers=False, use_libuv=True
+        )
+        self.address = f"{HOST}:{self._server.port}"
+
+
+class MachineTally:
+    """One rank's use of its machine's store for the vote: `arrive` on the voting
+    thread; `relay` (local rank 0) or `wait` (the others) on the watcher thread."""
+
+    def __init__(self, address: str, local_rank: int, local_world: int, timeout_s: float):
+        host, _, port = address.rpartition(":")
+        self.local_world = local_world
+        #: Local rank 0 watches the job's store and writes each decision here.
+        self.relays = local_rank == 0
+
+        def client() -> dist.TCPStore:
+            return dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)
+            )
+
+        self._voting = client()
+        self._watching = client()
+        #: The store itself, on local rank 0 (kept alive with this tally).
+        self.server: MachineStore | None = None
+
+    @classmethod
+    def join(
+        cls,
+        job_store: Store,
+        key: str,
+        local_rank: int,
+        local_world: int,
+        timeout_s: float,
+    ) -> MachineTally:
+        """Local rank 0 hosts the machine's store and names it under `key` in the job's
+        store (one key per launch); the other ranks wait for that name."""
+        server = None
+        if local_rank == 0:
+            server = MachineStore()
+            job_store.set(key, server.address)
+            address = server.address
+        else:
+            job_store.wait([key], timedelta(seconds=timeout_s))
+            address = job_store.get(key).decode()
+        tally = cls(address, local_rank, local_world, timeout_s)
+        tally.server = server
+        return tally
+
+    def arrive(self, step_key: str) -> bool:
+        """This rank reached the vote of the step `step_key` names; True for the last of
+        the machine's ranks (which then casts the machine's vote)."""
+        return self._voting.add(f"{step_key}/arrived", 1) == self.local_world
+
+    def forget(self, step_key: str) -> None:
+        """Drops a step's keys (every rank of the machine has read its decision)."""
+        for what in ("arrived", "decision"):
+            self._voting.delete_key(f"{step_key}/{what}")
+
+    def relay(self, step_key: str, decision: str) -> None:
+        self._watching.set(f"{step_key}/decision", decision)
+
+    def wait(self, step_key: str, timeout: timedelta) -> str:
+        """The step's decision as relayed; raises RuntimeError when none came in time."""
+        key = f"{step_key}/decision"
+        self._watching.wait([key], timeout)
+        # One request: a `get` would wait for the key again first.
+        value = self._watching.compare_set(key, ABSENT, ABSENT).decode()
+        if value == ABSENT:
+            raise RuntimeError(f"{key} is gone")
+        return value

@@ -1,0 +1,111 @@
+"""The commit vote with one voter per machine (`machinevote`): two machines of two ranks,
+each rank a thread with its own clients, a real TCPStore as the job's store, and each
+machine's store hosted by its local rank 0."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from tests.runtime.votes import vote_all
+from trainmover.runtime.abort import AbortSignal, StepAborted
+from trainmover.runtime.agreement import CommitAgreement
+from trainmover.runtime.machinevote import MachineTally
+from trainmover.runtime.storeclient import Store
+
+pytestmark = pytest.mark.timeout(120)
+
+MACHINES, LOCAL = 2, 2
+
+
+@pytest.fixture
+def job_store() -> Iterator[tuple[str, dist.TCPStore]]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield f"127.0.0.1:{store.port}", store
+    del store
+
+
+def _job(address: str) -> tuple[list[MachineTally], list[CommitAgreement]]:
+    """Ranks in machine order: machine m's local rank r is ranks[m * LOCAL + r]; each
+    local rank 0 comes first and hosts its machine's store."""
+    tallies = [
+        MachineTally.join(Store(address, 30), f"job/machine-store/m{m}/launch1", r, LOCAL, 30)
+        for m in range(MACHINES)
+        for r in range(LOCAL)
+    ]
+    ranks = [
+        CommitAgreement(
+            address, "job", MACHINES * LOCAL, AbortSignal("e0"), 0, timeout_s=30, machine=tally
+        )
+        for tally in tallies
+    ]
+    return tallies, ranks
+
+
+def test_the_job_store_counts_one_vote_per_machine(job_store) -> None:
+    address, store = job_store
+    tallies, ranks = _job(address)
+    assert all(r.voters == MACHINES for r in ranks)
+    machines = [t.server for t in tallies if t.server is not None]
+    # Each machine's local rank 0 hosts its store and names it in the job's store.
+    assert [store.get(f"job/machine-store/m{i}/launch1").decode() for i in range(MACHINES)] == [
+        m.address for m in machines
+    ]
+    assert vote_all(ranks, 1) == ["commit"] * 4
+    assert store.add("job/commit/e0/1/votes", 0) == MACHINES
+    # Many steps: each machine's store keeps only the last steps' keys.
+    for step in range(2, 21):
+        assert vote_all(ranks, step) == ["commit"] * 4
+    assert [r.committed for r in ranks] == [20] * 4
+    assert store.add("job/commit/e0/20/votes", 0) == MACHINES
+    for m in machines:
+        client = dist.TCPStore("127.0.0.1", int(m.address.rsplit(":")[1]), is_master=False)
+        assert client.num_keys() <= 4
+    for r in ranks:
+        r.close()
+
+
+def test_a_step_waits_for_every_rank_of_a_machine_and_an_abort_reaches_them_all(
+    job_store,
+) -> None:
+    address, _ = job_store
+    _, ranks = _job(address)
+    assert vote_all(ranks, 1) == ["commit"] * 4
+    # Machine 0's local rank 1 is blocked in a collective: it never votes. Its machine
+    # has not voted either, so the step waits (everyone else voted).
+    for r in ranks:
+        r.begin(2)
+    voters = [ranks[0], *ranks[2:]]
+    outcome: list[str] = []
+    thread = threading.Thread(target=lambda: outcome.extend(vote_all(voters, 2)))
+    thread.start()
+    thread.join(1.5)
+    assert thread.is_alive() and not any(r.signal.is_set() for r in ranks)
+    # A rank of the other machine sees a collective fail: the blocked rank, which only
+    # watches its machine's store, hears the abort from its local rank 0's relay.
+    ranks[3].abort("peer died")
+    assert ranks[1].signal.wait(30)
+    thread.join(60)
+    assert outcome == ["abort"] * 3
+    assert all(r.committed == 1 for r in ranks)
+    for r in ranks:
+        r.close()
+
+
+def test_a_machine_store_gone_aborts_the_step(job_store) -> None:
+    address, _ = job_store
+    tallies, ranks = _job(address)
+    assert vote_all(ranks, 1) == ["commit"] * 4
+    tallies[0].server = None  # local rank 0's process died: the machine's store with it
+    for r in ranks:
+        r.begin(2)
+    with pytest.raises(StepAborted):
+        ranks[0].vote(2)
+    assert "the machine's vote store is gone" in (ranks[0].signal.reason or "")
+    # The abort is the job's decision: the other machine's ranks apply nothing either.
+    assert vote_all(ranks[2:], 2) == ["abort", "abort"]
+    for r in ranks:
+        r.close()
