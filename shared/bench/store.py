@@ -13,9 +13,10 @@ count their votes in its own store), the same agreement with every rank a voter,
 the flat vote on a bare TCPStore (the store before it had replicas). Per mode: the
 median vote, and the job's store's CPU time per step (it serves every machine of the
 job: the part that does not shrink when ranks get their own cores, as they have on a
-real cluster). Projection to 1,024 ranks on machines of 8: the vote of one machine as
-measured here, plus the job's store's CPU per voter times the further voters. Both are
-put beside the job's median step from (a).
+real cluster; on this host it also grows with the processes contending). Projection to
+1,024 ranks on machines of 8: the smallest round's vote as measured, plus the job's
+store's CPU per voter (calibrated by one client playing 16 voters' requests on an idle
+store) times the further voters. Both are put beside the job's median step from (a).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ranks", default="4,8,16", help="world sizes of the vote rounds (default 4,8,16)"
     )
-    parser.add_argument("--steps", type=int, default=60, help="votes per round (default 60)")
+    parser.add_argument("--steps", type=int, default=200, help="votes per round (default 200)")
     parser.add_argument(
         "--local-ranks",
         type=int,
@@ -203,6 +204,28 @@ def _round(mode: str, world: int, steps: int, local: int) -> tuple[list[float], 
     return [b - a for s in spans for a, b in s], job_cpu, machine_cpu
 
 
+#: Voters one calibrating client plays per step.
+CALIBRATE_VOTERS = 16
+
+
+def _calibrate(steps: int) -> float:
+    """The job store's CPU per voter and step (ms) with one client playing the voters'
+    requests (`store_worker.calibrate_votes`): the store's own cost of a voter, which
+    grows a real job's vote with its voters, without this host's contention."""
+    job = _Host("job")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "trainmover.bench.store_worker", job.addresses, "0",
+             str(CALIBRATE_VOTERS), "calibrate", str(steps)],
+            capture_output=True, text=True, timeout=WAIT_S, check=True,
+        )  # fmt: skip
+    finally:
+        samples = job.close()
+    spans = json.loads(proc.stdout)[WARMUP:]
+    cpu = _cpu_between(samples, spans[0][0], spans[-1][1])
+    return 1e3 * cpu / len(spans) / CALIBRATE_VOTERS
+
+
 def _voters(mode: str, world: int, local: int) -> int:
     return world // local if mode == "machines" else world
 
@@ -244,22 +267,20 @@ def _votes(args: argparse.Namespace, progress: Progress) -> list[dict[str, Any]]
     return rows
 
 
-def _projection(rows: list[dict[str, Any]], mode: str) -> dict[str, float]:
+def _projection(rows: list[dict[str, Any]], mode: str, per_voter_ms: float) -> dict[str, float]:
     """The vote at PROJECTED_RANKS ranks on machines of PROJECTED_LOCAL: the smallest
-    round's vote (its few voters' round trips) plus the job's store's CPU per voter,
-    fitted, for each further voter. Beside it, the old reading: the vote's wall time
-    fitted against the ranks on this host (where 16 processes share 2 cores)."""
-    voters = np.array([r[f"{mode}_voters"] for r in rows], dtype=float)
-    store = np.array([r[f"{mode}_store_cpu_ms"] for r in rows])
-    per_voter = float(np.polyfit(voters, store, 1)[0]) if len(rows) > 1 else 0.0
+    round's vote (its few voters' round trips), plus the job's store's CPU per voter
+    (calibrated) for each further voter: the store serves the voters one after the
+    other. Beside it, the old reading: the vote's wall time fitted against the ranks on
+    this host (where 16 processes share 2 cores)."""
     projected_voters = PROJECTED_RANKS // (PROJECTED_LOCAL if mode == "machines" else 1)
     base = rows[0]
-    at = base[f"{mode}_vote_ms"] + max(per_voter, 0.0) * (projected_voters - voters[0])
+    at = base[f"{mode}_vote_ms"] + per_voter_ms * (projected_voters - base[f"{mode}_voters"])
     x = np.array([r["ranks"] for r in rows], dtype=float)
     y = np.array([r[f"{mode}_vote_ms"] for r in rows])
     b, a = np.polyfit(x, y, 1) if len(rows) > 1 else (0.0, float(y[0]))
     return {
-        "store_cpu_ms_per_voter": per_voter,
+        "store_cpu_ms_per_voter": per_voter_ms,
         "voters_at_1024": projected_voters,
         "at_1024_ms": float(at),
         "wall_fit_a_ms": float(a),
@@ -270,11 +291,13 @@ def _projection(rows: list[dict[str, Any]], mode: str) -> dict[str, float]:
 
 def main(args: argparse.Namespace) -> int:
     sizes = args.ranks.split(",")
-    progress = Progress("store", args.kills + args.rounds * len(sizes) * len(MODES))
+    progress = Progress("store", args.kills + args.rounds * len(sizes) * len(MODES) + 1)
     losses = asyncio.run(_losses(args, progress))
     votes = _votes(args, progress)
     step_ms = 1e3 * losses["median_step_s"]
-    projection = {m: _projection(votes, m) for m in MODES}
+    per_voter_ms = _calibrate(args.steps)
+    progress.step(f"the job's store: {1e3 * per_voter_ms:.1f} us of CPU per voter and step")
+    projection = {m: _projection(votes, m, per_voter_ms) for m in MODES}
     for row in votes:
         for mode in MODES:
             row[f"{mode}_share_of_step"] = row[f"{mode}_vote_ms"] / step_ms

@@ -9,7 +9,8 @@ store. MODE `machines`: the same agreement with one voter per machine: the rank 
 its vote in its machine's store (address MACHINE) with the machine's other LOCAL ranks
 (`trainmover.runtime.machinevote`). MODE `tcpstore`: the flat vote on a bare TCPStore
 client, as the runtime made it before the store had replicas (one add, the last voter's
-compare-and-set, a wait for the decision).
+compare-and-set, a wait for the decision). MODE `calibrate`: one process plays WORLD
+voters' requests to the job's store (`calibrate_votes`).
 
     python -m trainmover.bench.store_worker host job|MACHINES
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import threading
 import time
@@ -36,6 +36,7 @@ from trainmover.runtime.abort import AbortSignal
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.machinevote import MachineStore, MachineTally
 from trainmover.runtime.rendezvous import RendezvousHost
+from trainmover.runtime.storeclient import ABSENT
 
 TIMEOUT_S = 120.0
 #: How often a store host samples its CPU time.
@@ -78,6 +79,27 @@ def tcpstore_votes(address: str, world: int, steps: int) -> list[Span]:
     return spans
 
 
+def calibrate_votes(address: str, voters: int, steps: int) -> list[Span]:
+    """The job store's side of `voters` voters, played by one client against an otherwise
+    idle store: per step each voter's add, then the decision, then each voter's wait and
+    read. Its store's CPU per step and voter is the store's cost of a voter, apart from
+    the contention of many processes on a small host."""
+    host, _, port = address.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    spans = []
+    for step in range(1, steps + 1):
+        key = f"bench/calibrate/{step}"
+        started = time.monotonic()
+        for _ in range(voters):
+            store.add(f"{key}/votes", 1)
+        store.compare_set(f"{key}/decision", "", "commit")
+        for _ in range(voters):
+            store.wait([f"{key}/decision"], timedelta(seconds=TIMEOUT_S))
+            store.compare_set(f"{key}/decision", ABSENT, ABSENT)
+        spans.append((started, time.monotonic()))
+    return spans
+
+
 def host(what: str) -> None:
     if what == "job":
         stores: list[Any] = [RendezvousHost()]
@@ -90,8 +112,9 @@ def host(what: str) -> None:
 
     def sample() -> None:
         while not done.wait(SAMPLE_S):
-            usage = resource.getrusage(resource.RUSAGE_SELF)
-            samples.append((time.monotonic(), usage.ru_utime + usage.ru_stime))
+            # The process's CPU clock: every thread, to the nanosecond (getrusage's
+            # user/system split is scaled from scheduler ticks).
+            samples.append((time.monotonic(), time.process_time()))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -112,6 +135,8 @@ def main(argv: list[str]) -> int:
         local_rank = int(rank) % int(local)
         tally = MachineTally(machine_address, local_rank, int(local), TIMEOUT_S)
         spans = trainmover_votes(address, int(world), int(steps), tally)
+    elif mode == "calibrate":
+        spans = calibrate_votes(address, int(world), int(steps))
     elif mode == "trainmover":
         spans = trainmover_votes(address, int(world), int(steps))
     else:
