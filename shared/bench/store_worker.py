@@ -63,9 +63,13 @@ def trainmover_votes(
     return spans
 
 
-def tcpstore_votes(address: str, world: int, steps: int) -> list[Span]:
+def _bare_client(address: str) -> dist.TCPStore:
     host, _, port = address.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+
+
+def tcpstore_votes(address: str, world: int, steps: int) -> list[Span]:
+    store = _bare_client(address)
     spans = []
     for step in range(1, steps + 1):
         key = f"bench/commit/e0/{step}"
@@ -84,8 +88,7 @@ def calibrate_votes(address: str, voters: int, steps: int) -> list[Span]:
     idle store: per step each voter's add, then the decision, then each voter's wait and
     read. Its store's CPU per step and voter is the store's cost of a voter, apart from
     the contention of many processes on a small host."""
-    host, _, port = address.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    store = _bare_client(address)
     spans = []
     for step in range(1, steps + 1):
         key = f"bench/calibrate/{step}"

@@ -132,8 +132,7 @@ class Runtime:
         )
         assert isinstance(welcome, c.Welcome)
         with self._cond:
-            self._core.store_address = welcome.store
-            self._core.launch = welcome.launch
+            self._core.store_address, self._core.launch = welcome.store, welcome.launch
             self._core.accepted.limit = welcome.limit
             self._standby = welcome.role is None  # its state will come from a peer
             if welcome.role is not None:
