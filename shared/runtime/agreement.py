@@ -132,7 +132,7 @@ class CommitAgreement:
                     return False
                 # Every rank of the machine has read step - 1's decision.
                 self._machine.forget(self.key(epoch, step - 1, "machine"))
-            except RuntimeError as err:  # the machine's store went with its sidecar
+            except RuntimeError as err:  # the machine's store went with its local rank 0
                 self.abort(f"the machine's vote store is gone: {err}")
                 return False
         votes = self.key(epoch, step, "votes")
@@ -220,7 +220,7 @@ class CommitAgreement:
             if self._machine is not None and self._machine.relays:
                 try:
                     self._machine.relay(self.key(*target, "machine"), value)
-                except RuntimeError:  # the machine's store went with its sidecar
+                except RuntimeError:  # its own store: gone only with this process
                     pass
 
     def _decision(self, epoch: str, step: int) -> str:
