@@ -51,7 +51,7 @@ from trainmover.tasks import cancel_and_wait
 log = get_logger("executor")
 
 RERUN_PAUSE_S = 1.0
-"""How long an interrupted migration waits before it runs again from its record."""
+"""How long a migration the bus interrupted waits before it goes on where it was."""
 
 
 class ExecutorService:
@@ -67,12 +67,9 @@ class ExecutorService:
         groups_total: int | None = None,
         metrics: Registry | None = None,
         failure_grace_s: float = 10.0,
-        failover_s: float = bus.FAILOVER_S,
     ) -> None:
         """`failure_grace_s`: how long a migration whose machine's worker died waits for
-        the planner to take it over with that machine's recovery before it fails.
-        `failover_s`: how long a write waits out a bus with no leader before it fails
-        (the migration is then run again from its stored record)."""
+        the planner to take it over with that machine's recovery before it fails."""
         self._nc = nc
         self._js = nc.jetstream()
         self.job = job
@@ -81,7 +78,6 @@ class ExecutorService:
         self.timeout_s = timeout_s
         self.groups_total = groups_total
         self.failure_grace_s = failure_grace_s
-        self.failover_s = failover_s
         self._state_changed = asyncio.Condition()
         self._kv: KeyValue | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -146,7 +142,7 @@ class ExecutorService:
 
     async def _resume(self) -> None:
         in_flight = await self._current_in_flight()
-        for record in await bus.through_failover(self._stored, "records", self.failover_s):
+        for record in await bus.through_failover(self._stored, "records"):
             await self._pick_up(record, in_flight)
 
     async def _stored(self) -> list[MigrationRecord]:
@@ -412,7 +408,7 @@ class ExecutorService:
         kv = self._kv
         assert kv is not None
         key = f"migration.{record.plan.plan_id}"
-        await bus.through_failover(lambda: kv.put(key, record.to_json()), key, self.failover_s)
+        await bus.through_failover(lambda: kv.put(key, record.to_json()), key)
 
     async def _publish(self, progress: MigrationProgress) -> None:
         payload = progress.to_json()
@@ -425,7 +421,6 @@ class ExecutorService:
                 self._subjects.progress, payload, headers={"Nats-Msg-Id": msg_id}, timeout=5
             ),
             f"progress {key}",
-            self.failover_s,
         )
         log.info(
             "progress",
