@@ -170,25 +170,36 @@ def _round(mode: str, world: int, steps: int, local: int) -> tuple[list[float], 
     votes' seconds, the job's store's CPU seconds per step, and each machine store's."""
     job = _Host("job")
     machines = _Host(str(world // local)) if mode == "machines" else None
+    procs: list[subprocess.Popen[str]] = []
     try:
         extra: list[list[str]] = [[] for _ in range(world)]
         if machines is not None:
             extra = [[machines.addresses[rank // local], str(local)] for rank in range(world)]
-        procs = [
+        # Files, not pipes: a voter's stderr is read only once the voters before it ended.
+        errs = [tempfile.TemporaryFile("w+") for _ in range(world)]
+        procs += [
             subprocess.Popen(
                 [sys.executable, "-m", "trainmover.bench.store_worker", job.addresses,
                  str(rank), str(world), mode, str(steps), *extra[rank]],
-                stdout=subprocess.PIPE, text=True,
+                stdout=subprocess.PIPE, stderr=errs[rank], text=True,
             )
             for rank in range(world)
         ]  # fmt: skip
         spans: list[list[tuple[float, float]]] = []
-        for proc in procs:
+        for rank, proc in enumerate(procs):
             out, _ = proc.communicate(timeout=WAIT_S)
             if proc.returncode != 0:
-                raise RuntimeError(f"a {mode} voter exited with code {proc.returncode}")
+                errs[rank].seek(0)
+                raise RuntimeError(
+                    f"the {mode} voter of rank {rank} exited with code {proc.returncode}:\n"
+                    + errs[rank].read()[-2000:]
+                )
             spans.append([(a, b) for a, b in json.loads(out)[WARMUP:]])
     finally:
+        for proc in procs:
+            if proc.poll() is None:  # the round failed: its other voters go with it
+                proc.kill()
+                proc.wait()
         job_samples = job.close()
         machine_samples = machines.close() if machines is not None else []
     # The steady votes: from the first of them to start to the last to end.

@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -149,9 +150,14 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    try:
+        code = main(sys.argv[1:])
+    except Exception:
+        traceback.print_exc()
+        code = 1
     # As a worker does: no interpreter teardown while the vote's watcher thread may be
     # inside a store wait (torn down under it, the thread can end the process with
-    # SIGABRT).
+    # SIGABRT, hiding the error).
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)

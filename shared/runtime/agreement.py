@@ -212,23 +212,34 @@ class CommitAgreement:
                 if time.monotonic() - started < _WATCH_SLICE.total_seconds() / 2:
                     time.sleep(0.1)  # an error, not a slice: do not spin
                 continue
+            if self._machine is not None and self._machine.relays:
+                # Before this rank's own vote may return: a rank that stops after its
+                # last step must not take the machine's decision with it.
+                try:
+                    self._machine.relay(self.key(*target, "machine"), value)
+                except RuntimeError:  # its own store: gone only with this process
+                    pass
             with self._cond:
                 self._verdicts[target] = value
                 self._cond.notify_all()
             if value == ABORT:
                 self.signal.set(target[0], f"step {target[1]} aborted")
-            if self._machine is not None and self._machine.relays:
-                try:
-                    self._machine.relay(self.key(*target, "machine"), value)
-                except RuntimeError:  # its own store: gone only with this process
-                    pass
 
     def _decision(self, epoch: str, step: int) -> str:
         """The step's decision, from the job's store or (a rank its machine's local rank 0
         relays to) from the machine's; RuntimeError when none came within a slice."""
-        if self._machine is not None and not self._machine.relays:
-            return self._machine.wait(self.key(epoch, step, "machine"), _WATCH_SLICE)
         key = self.key(epoch, step, "decision")
+        if self._machine is not None and not self._machine.relays:
+            try:
+                return self._machine.wait(self.key(epoch, step, "machine"), _WATCH_SLICE)
+            except RuntimeError:
+                # Not relayed within the slice, or the machine's store is gone with its
+                # local rank 0 (which may simply have stopped after its last step): the
+                # job's store holds every decision too.
+                value = self._watch_store.peek(key)
+                if value is None:
+                    raise
+                return value.decode()
         self._watch_store.wait([key], _WATCH_SLICE)
         value = self._watch_store.peek(key)
         if value is None:  # the key came and went: an old step's, deleted since

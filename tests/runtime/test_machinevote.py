@@ -5,6 +5,7 @@ machine's store hosted by its local rank 0."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -107,5 +108,54 @@ def test_a_machine_store_gone_aborts_the_step(job_store) -> None:
     assert "the machine's vote store is gone" in (ranks[0].signal.reason or "")
     # The abort is the job's decision: the other machine's ranks apply nothing either.
     assert vote_all(ranks[2:], 2) == ["abort", "abort"]
+    for r in ranks:
+        r.close()
+
+
+def _decision_in_machine_store(tally: MachineTally, step: int) -> str | None:
+    assert tally.server is not None
+    host, _, port = tally.server.address.rpartition(":")
+    client = dist.TCPStore(host, int(port), is_master=False)
+    value = client.compare_set(f"job/commit/e0/{step}/machine/decision", "?", "?").decode()
+    return None if value == "?" else value
+
+
+def test_a_local_rank_0_vote_returns_only_once_its_machine_has_the_decision(job_store) -> None:
+    address, _ = job_store
+    tallies, ranks = _job(address)
+    relay = tallies[0].relay
+
+    def slow_relay(step_key: str, decision: str) -> None:
+        time.sleep(0.3)  # a loaded host: the relay lags the watcher's read
+        relay(step_key, decision)
+
+    tallies[0].relay = slow_relay  # type: ignore[method-assign]
+    seen: list[str | None] = []
+
+    def vote_then_look() -> None:
+        ranks[0].begin(1)
+        ranks[0].vote(1)
+        seen.append(_decision_in_machine_store(tallies[0], 1))
+
+    thread = threading.Thread(target=vote_then_look)
+    thread.start()
+    assert vote_all(ranks[1:], 1) == ["commit"] * 3
+    thread.join(60)
+    assert seen == ["commit"]
+    for r in ranks:
+        r.close()
+
+
+def test_a_rank_whose_local_rank_0_stopped_at_the_decision_still_learns_it(job_store) -> None:
+    address, _ = job_store
+    tallies, ranks = _job(address)
+    assert vote_all(ranks, 1) == ["commit"] * 4
+
+    def stop(step_key: str, decision: str) -> None:
+        tallies[0].server = None  # local rank 0's process ended with its last step
+
+    tallies[0].relay = stop  # type: ignore[method-assign]
+    assert vote_all(ranks, 2) == ["commit"] * 4
+    assert [r.committed for r in ranks] == [2] * 4
     for r in ranks:
         r.close()
