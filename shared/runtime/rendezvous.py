@@ -78,6 +78,8 @@ class RendezvousHost:
 
     def _set_role(self, role: str) -> None:
         with self._lock:
+            if self._closed.is_set():  # the watch's last round outlived `close`
+                return
             self._store.set(ROLE_KEY, f"{role} {self.incarnation}")
         self.role = role
         if role == SERVING:
@@ -116,5 +118,6 @@ class RendezvousHost:
             return self._store.num_keys()
 
     def close(self) -> None:
-        self._closed.set()
-        del self._store
+        with self._lock:
+            self._closed.set()
+            del self._store

@@ -14,7 +14,15 @@ from datetime import timedelta
 import pytest
 
 from trainmover.runtime.rendezvous import POLL_S, TAKEOVER_S, RendezvousHost
-from trainmover.runtime.storeclient import SERVING, STANDBY, Share, Store, StoreLost, probe
+from trainmover.runtime.storeclient import (
+    SERVING,
+    STANDBY,
+    UNKNOWN,
+    Share,
+    Store,
+    StoreLost,
+    probe,
+)
 from trainmover.stack import free_ports
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,8 +44,13 @@ class Replicas:
     def stop(self, i: int) -> None:
         self.hosts.pop(i).close()
 
-    def role(self, i: int) -> str | None:
-        seen = probe("127.0.0.1", self.ports[i])
+    def role(self, i: int, tries: int = 6) -> str | None:
+        """The role replica `i` names; asked again while it listens without answering
+        in time (UNKNOWN: a server a loaded host stalls for seconds, not a role)."""
+        for _ in range(tries):
+            seen = probe("127.0.0.1", self.ports[i])
+            if seen is None or seen[0] != UNKNOWN:
+                break
         return None if seen is None else seen[0]
 
     def client(self, timeout_s: float = 30.0) -> Store:
