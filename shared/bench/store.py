@@ -17,6 +17,9 @@ real cluster; on this host it also grows with the processes contending). Project
 1,024 ranks on machines of 8: the smallest round's vote as measured, plus the job's
 store's CPU per voter (calibrated by one client playing 16 voters' requests on an idle
 store) times the further voters. Both are put beside the job's median step from (a).
+(c) The progress board at the largest size: every rank's beacon for a few seconds, each
+rank writing its entry to the job's store, then folded per machine; the job's store's
+CPU per second, projected to 1,024 ranks from its CPU per entry written.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from trainmover.bench import plot
 from trainmover.bench.report import Progress, Result, markdown_table, outputs, ratio, summary
 from trainmover.localcluster import LocalCluster
 from trainmover.runtime.config import JobConfig
+from trainmover.runtime.progress import INTERVAL_S
 
 WAIT_S = 600.0
 MODES = ("machines", "trainmover", "tcpstore")
@@ -165,22 +169,28 @@ def _cpu_between(samples: list[tuple[float, float]], start: float, end: float) -
     return float(np.interp(end, times, cpu) - np.interp(start, times, cpu))
 
 
-def _round(mode: str, world: int, steps: int, local: int) -> tuple[list[float], float, float]:
-    """One round: `world` processes voting `steps` times on a fresh job store. Returns the
-    votes' seconds, the job's store's CPU seconds per step, and each machine store's."""
+Samples = list[tuple[float, float]]
+
+
+def _ranks(
+    mode: str, world: int, arg: float, local: int, folded: bool
+) -> tuple[list[list[tuple[float, float]]], Samples, Samples]:
+    """`world` store_worker processes of `mode` on a fresh job store (and, `folded`, a
+    store per machine of `local` ranks). Returns each one's spans (`WARMUP` left out of
+    a vote round's), and the job's and the machines' store hosts' CPU samples."""
     job = _Host("job")
-    machines = _Host(str(world // local)) if mode == "machines" else None
+    machines = _Host(str(world // local)) if folded else None
     procs: list[subprocess.Popen[str]] = []
     try:
         extra: list[list[str]] = [[] for _ in range(world)]
         if machines is not None:
             extra = [[machines.addresses[rank // local], str(local)] for rank in range(world)]
-        # Files, not pipes: a voter's stderr is read only once the voters before it ended.
+        # Files, not pipes: a worker's stderr is read only once the workers before it ended.
         errs = [tempfile.TemporaryFile("w+") for _ in range(world)]
         procs += [
             subprocess.Popen(
                 [sys.executable, "-m", "trainmover.bench.store_worker", job.addresses,
-                 str(rank), str(world), mode, str(steps), *extra[rank]],
+                 str(rank), str(world), mode, str(arg), *extra[rank]],
                 stdout=subprocess.PIPE, stderr=errs[rank], text=True,
             )
             for rank in range(world)
@@ -191,17 +201,24 @@ def _round(mode: str, world: int, steps: int, local: int) -> tuple[list[float], 
             if proc.returncode != 0:
                 errs[rank].seek(0)
                 raise RuntimeError(
-                    f"the {mode} voter of rank {rank} exited with code {proc.returncode}:\n"
+                    f"the {mode} worker of rank {rank} exited with code {proc.returncode}:\n"
                     + errs[rank].read()[-2000:]
                 )
-            spans.append([(a, b) for a, b in json.loads(out)[WARMUP:]])
+            spans.append([(a, b) for a, b in json.loads(out)[0 if mode == "board" else WARMUP :]])
     finally:
         for proc in procs:
-            if proc.poll() is None:  # the round failed: its other voters go with it
+            if proc.poll() is None:  # the round failed: its other workers go with it
                 proc.kill()
                 proc.wait()
         job_samples = job.close()
         machine_samples = machines.close() if machines is not None else []
+    return spans, job_samples, machine_samples
+
+
+def _round(mode: str, world: int, steps: int, local: int) -> tuple[list[float], float, float]:
+    """One round: `world` processes voting `steps` times on a fresh job store. Returns the
+    votes' seconds, the job's store's CPU seconds per step, and each machine store's."""
+    spans, job_samples, machine_samples = _ranks(mode, world, steps, local, mode == "machines")
     # The steady votes: from the first of them to start to the last to end.
     start = min(s[0][0] for s in spans)
     end = max(s[-1][1] for s in spans)
@@ -213,6 +230,35 @@ def _round(mode: str, world: int, steps: int, local: int) -> tuple[list[float], 
         else 0.0
     )
     return [b - a for s in spans for a, b in s], job_cpu, machine_cpu
+
+
+#: Seconds the progress board's beacons run in (c).
+BOARD_S = 5.0
+
+
+def _board(world: int, local: int) -> dict[str, Any]:
+    """(c) The progress board: `world` ranks' beacons for BOARD_S seconds, each rank's
+    entry written to the job's store, then folded per machine of `local` ranks. Per
+    way: the job's store's CPU per second, and per entry written (per second: ranks or
+    machines times the beacons' rate)."""
+    out: dict[str, Any] = {}
+    for way, folded in (("per_rank", False), ("per_machine", True)):
+        spans, samples, _ = _ranks("board", world, BOARD_S, local, folded)
+        start, end = max(s[0][0] for s in spans), min(s[0][1] for s in spans)
+        cpu_per_s = _cpu_between(samples, start, end) / (end - start)
+        writes_per_s = (world // local if folded else world) / INTERVAL_S
+        out[way] = {
+            "store_cpu_ms_per_s": 1e3 * cpu_per_s,
+            "writes_per_s": writes_per_s,
+            "store_cpu_us_per_write": 1e6 * cpu_per_s / writes_per_s,
+        }
+    out["ranks"], out["local_ranks"] = world, local
+    entries = {"per_rank": PROJECTED_RANKS, "per_machine": PROJECTED_RANKS // PROJECTED_LOCAL}
+    out["at_1024_ms_per_s"] = {
+        way: 1e-3 * out[way]["store_cpu_us_per_write"] * n / INTERVAL_S
+        for way, n in entries.items()
+    }
+    return out
 
 
 #: Voters one calibrating client plays per step.
@@ -302,9 +348,15 @@ def _projection(rows: list[dict[str, Any]], mode: str, per_voter_ms: float) -> d
 
 def main(args: argparse.Namespace) -> int:
     sizes = args.ranks.split(",")
-    progress = Progress("store", args.kills + args.rounds * len(sizes) * len(MODES) + 1)
+    progress = Progress("store", args.kills + args.rounds * len(sizes) * len(MODES) + 2)
     losses = asyncio.run(_losses(args, progress))
     votes = _votes(args, progress)
+    board = _board(votes[-1]["ranks"], args.local_ranks)
+    progress.step(
+        f"the progress board at {board['ranks']} ranks: the job's store "
+        f"{board['per_rank']['store_cpu_ms_per_s']:.1f} ms of CPU per second per rank, "
+        f"{board['per_machine']['store_cpu_ms_per_s']:.1f} folded per machine"
+    )
     step_ms = 1e3 * losses["median_step_s"]
     per_voter_ms = _calibrate(args.steps)
     progress.step(f"the job's store: {1e3 * per_voter_ms:.1f} us of CPU per voter and step")
@@ -318,6 +370,7 @@ def main(args: argparse.Namespace) -> int:
     result.set("loss", losses)
     result.set("votes", votes)
     result.set("projection", projection)
+    result.set("board", board)
     # The runtime votes per machine wherever a machine has several ranks.
     largest, projected = votes[-1], projection["machines"]
     result.set(
@@ -355,6 +408,13 @@ def main(args: argparse.Namespace) -> int:
         f"{100 * p['at_1024_ms'] / step_ms:.1f}% of the job's median step "
         f"(wall-time fit on this host: {p['wall_fit_at_1024_ms']:.1f} ms)"
         for m, p in projection.items()
+    ]
+    lines += [
+        f"progress board, {way.replace('_', ' ')}: {board[way]['store_cpu_ms_per_s']:.1f} ms "
+        f"of the job's store's CPU per second at {board['ranks']} ranks "
+        f"({board[way]['store_cpu_us_per_write']:.0f} us per entry written); "
+        f"{board['at_1024_ms_per_s'][way]:.0f} ms per second at {PROJECTED_RANKS} ranks"
+        for way in ("per_rank", "per_machine")
     ]
     text = f"{loss_table}\n\n{vote_table}\n\nprojected:\n" + "\n".join(lines) + "\n"
     md, png = outputs(path)

@@ -9,7 +9,9 @@ store. MODE `machines`: the same agreement with one voter per machine: the rank 
 its vote in its machine's store (address MACHINE) with the machine's other LOCAL ranks
 (`trainmover.runtime.machinevote`). MODE `tcpstore`: the flat vote on a bare TCPStore
 client, as the runtime made it before the store had replicas (one add, the last voter's
-compare-and-set, a wait for the decision). MODE `calibrate`: one process plays WORLD
+compare-and-set, a wait for the decision). MODE `board`: the rank's progress-board
+beacon for STEPS seconds, folded into its machine's store when MACHINE is given; it
+prints the span in which it beat. MODE `calibrate`: one process plays WORLD
 voters' requests to the job's store (`calibrate_votes`).
 
     python -m trainmover.bench.store_worker host job|MACHINES
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from trainmover.runtime.abort import AbortSignal
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.machinevote import MachineStore, MachineTally
+from trainmover.runtime.progress import ProgressBoard
 from trainmover.runtime.rendezvous import RendezvousHost
 from trainmover.runtime.storeclient import ABSENT
 
@@ -104,6 +107,28 @@ def calibrate_votes(address: str, voters: int, steps: int) -> list[Span]:
     return spans
 
 
+def board_beats(address: str, rank: int, world: int, seconds: float, machine: list[str]) -> Span:
+    """This rank's progress-board beacon for `seconds` (folded into its machine's store
+    when `machine` names one); the span in which it beat steadily."""
+    local = int(machine[1]) if machine else 1
+    board = ProgressBoard(
+        address,
+        "bench",
+        rank,
+        world,
+        f"m{rank // local}",
+        rank % local,
+        machine_store=machine[0] if machine else None,
+        local_world=local,
+    )
+    time.sleep(2 * board.interval_s)  # every rank's first beats out
+    started = time.monotonic()
+    time.sleep(seconds)
+    span = (started, time.monotonic())
+    board.close()
+    return span
+
+
 def host(what: str) -> None:
     if what == "job":
         stores: list[Any] = [RendezvousHost()]
@@ -134,7 +159,9 @@ def main(argv: list[str]) -> int:
         host(argv[1])
         return 0
     address, rank, world, mode, steps, *machine = argv
-    if mode == "machines":
+    if mode == "board":
+        spans = [board_beats(address, int(rank), int(world), float(steps), machine)]
+    elif mode == "machines":
         machine_address, local = machine
         local_rank = int(rank) % int(local)
         tally = MachineTally(machine_address, local_rank, int(local), TIMEOUT_S)

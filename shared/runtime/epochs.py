@@ -33,6 +33,8 @@ class VoteEpochs:
     def __init__(self, core: Core):
         self.core = core
         self.agreement: CommitAgreement | None = None
+        #: This rank's share of its machine's store (the vote, the progress board).
+        self.machine: MachineTally | None = None
         self.stalls: StallWatch | None = None  # names whoever holds a step back
         self.in_flight: int | None = None  # None between steps
         self.voted = self.discarded = self.committed_in_flight = False
@@ -69,6 +71,7 @@ class VoteEpochs:
             return
         if self.agreement is None:
             lay = core.config.layout
+            self.machine = self._machine_tally()
             self.agreement = CommitAgreement(
                 core.store_address,
                 core.config.job,
@@ -76,7 +79,7 @@ class VoteEpochs:
                 core.signal,
                 committed,
                 core.config.runtime.failure_timeout_s,
-                machine=self._machine_tally(),
+                machine=self.machine,
             )
             self.agreement.share.on_move.append(
                 lambda generation, incarnation: core.log.warning(
@@ -122,6 +125,8 @@ class VoteEpochs:
             lay.world_size,
             core.me.machine,
             core.me.local_rank,
+            machine_store=self.machine.address if self.machine is not None else None,
+            local_world=lay.ranks_per_machine,
         )
 
         def report(stall: c.StallEvent) -> None:

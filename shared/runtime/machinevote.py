@@ -45,6 +45,8 @@ class MachineTally:
 
     def __init__(self, address: str, local_rank: int, local_world: int, timeout_s: float):
         host, _, port = address.rpartition(":")
+        #: The machine's store (where the progress board folds its ranks' entries too).
+        self.address = address
         self.local_world = local_world
         #: Local rank 0 watches the job's store and writes each decision here.
         self.relays = local_rank == 0

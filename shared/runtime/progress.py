@@ -13,6 +13,12 @@ for it):
                              "p": all its threads' seconds waiting for a CPU,
                              "n": a counter that grows with every write}
 
+Where a machine has several ranks and a store of its own (`trainmover.runtime.machinevote`),
+each rank writes its entry there, and local rank 0 writes its machine's entries to the
+job's store as one (`{job}/progress/m{machine slot}`): the job's store takes one write
+per machine and beat, whatever the ranks per machine. A frozen local rank 0 stops its
+machine's entries together; the machine is what is replaced anyway.
+
 A rank that has waited longer than `threshold` (a few times the recent median step,
 bounded below by a floor) in a collective of step k, or for the decision of k after its
 vote, claims the judgement of (epoch, k) in the store (one rank judges) and reads the
@@ -57,10 +63,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
 
 from trainmover.runtime.control import StallEvent
 from trainmover.runtime.steptime import WAITS, SchedStat, process_run_queue_s
-from trainmover.runtime.storeclient import Store
+from trainmover.runtime.storeclient import ABSENT, Store
 
 #: How often each rank rewrites its entry on the board.
 INTERVAL_S = 0.25
@@ -75,6 +85,11 @@ GAP_BEATS = 4
 #: thread of a rank outside any collective, by the threads of a blocked rank's process)
 #: from which a rank is starved rather than computing or blocked.
 STARVED = 0.5
+
+
+def _machine_client(address: str, timeout_s: float) -> dist.TCPStore:
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 @dataclass
@@ -123,7 +138,13 @@ class Entry:
     @staticmethod
     def parse(raw: bytes) -> Entry | None:
         try:
-            d = json.loads(raw)
+            return Entry.from_dict(json.loads(raw))
+        except ValueError:
+            return None
+
+    @staticmethod
+    def from_dict(d: Any) -> Entry | None:
+        try:
             return Entry(
                 d["m"],
                 d["e"],
@@ -206,9 +227,18 @@ class ProgressBoard:
         local_rank: int = 0,
         interval_s: float = INTERVAL_S,
         timeout_s: float = 30.0,
+        machine_store: str | None = None,
+        local_world: int = 1,
     ) -> None:
+        """`machine_store`: the address of this rank's machine store, where its machine's
+        `local_world` ranks fold their entries (module docstring)."""
         self.job, self.rank, self.world, self.machine = job, rank, world, machine
         self.local_rank = local_rank
+        #: Ranks per entry in the job's store: the machine's, or 1.
+        self.fold = local_world if machine_store else 1
+        # A beat, on its own thread, may wait long: the store's server can stall for
+        # seconds after a burst of connections (every rank of a launch connects at once).
+        self._local = _machine_client(machine_store, timeout_s) if machine_store else None
         self.interval_s = interval_s
         self.progress = Progress()
         self._training_thread = threading.get_ident()
@@ -227,6 +257,15 @@ class ProgressBoard:
     def key(self, rank: int) -> str:
         return f"{self.job}/progress/{rank}"
 
+    def machine_key(self, slot: int) -> str:
+        return f"{self.job}/progress/m{slot}"
+
+    def _own_key(self) -> str | None:
+        """This rank's key in the job's store (None: its local rank 0 writes for it)."""
+        if self.fold == 1:
+            return self.key(self.rank)
+        return self.machine_key(self.rank // self.fold) if self.local_rank == 0 else None
+
     def _moved(self, generation: int, incarnation: str) -> None:
         self.moved_at = time.monotonic()
 
@@ -241,8 +280,12 @@ class ProgressBoard:
         self._closed.set()
         self._beacon.join(self.interval_s * 4)
         try:
-            with self._lock:
-                self._store.delete_key(self.key(self.rank))
+            if self._local is not None:
+                self._local.delete_key(self.key(self.rank))
+            key = self._own_key()
+            if key is not None:
+                with self._lock:
+                    self._store.delete_key(key)
         except RuntimeError:
             pass  # the store is away: nobody reads the board meanwhile either
 
@@ -264,23 +307,56 @@ class ProgressBoard:
                 "f": p.done,
             }
             try:
-                with self._lock:
-                    # A beat held up past `leave` must not write back the entry it deleted.
-                    if self._closed.is_set():
-                        return
-                    self._store.set(self.key(self.rank), json.dumps(entry))
+                self._write(json.dumps(entry))
             except RuntimeError:
                 pass  # the store is away: the judge then sees this rank frozen
             self._closed.wait(self.interval_s)
 
+    def _write(self, entry: str) -> None:
+        if self._local is not None:
+            self._local.set(self.key(self.rank), entry)
+            if self.local_rank != 0:
+                return
+            entry = self._machine_entries(entry)
+        with self._lock:
+            # A beat held up past `leave` must not write back the entry it deleted.
+            if self._closed.is_set():
+                return
+            key = self._own_key()
+            assert key is not None
+            self._store.set(key, entry)
+
+    def _machine_entries(self, own: str) -> str:
+        """Local rank 0's entry and those its machine's other ranks wrote, as one."""
+        assert self._local is not None
+        entries = [f'"{self.rank}":{own}']
+        for rank in range(self.rank + 1, self.rank + self.fold):
+            raw = self._local.compare_set(self.key(rank), ABSENT, ABSENT).decode()
+            if raw != ABSENT:
+                entries.append(f'"{rank}":{raw}')
+        return "{" + ",".join(entries) + "}"
+
     def read(self) -> dict[int, Entry | None]:
         """Every rank's entry (None where it has written none yet)."""
-        keys = [self.key(r) for r in range(self.world)]
+        if self.fold == 1:
+            keys = [self.key(r) for r in range(self.world)]
+        else:
+            keys = [self.machine_key(m) for m in range(self.world // self.fold)]
         with self._lock:
             present = [k for k in keys if self._store.check([k])]
             values = self._store.multi_get(present) if present else []
-        found = dict(zip(present, values, strict=True))
-        return {r: Entry.parse(found[k]) if k in found else None for r, k in enumerate(keys)}
+        if self.fold == 1:
+            found = dict(zip(present, values, strict=True))
+            return {r: Entry.parse(found[k]) if k in found else None for r, k in enumerate(keys)}
+        entries: dict[int, Entry | None] = dict.fromkeys(range(self.world))
+        for raw in values:
+            try:
+                machine = json.loads(raw)
+            except ValueError:
+                continue
+            for rank, entry in machine.items():
+                entries[int(rank)] = Entry.from_dict(entry)
+        return entries
 
     def claim(self, epoch: str, step: int, attempt: int) -> bool:
         """True for the one rank that judges (epoch, step) this time."""

@@ -159,6 +159,13 @@ def test_store(tmp_path: Path) -> None:
         assert row["machines_voters"] == row["ranks"] // 2
         assert row["trainmover_voters"] == row["ranks"]
     assert data["projection"]["machines"]["voters_at_1024"] == 1024 // 8
+    # The progress board's beacons at the largest size, per rank and folded per machine:
+    # the job's store served both.
+    board = data["board"]
+    assert board["ranks"] == 4 and board["local_ranks"] == 2
+    for way in ("per_rank", "per_machine"):
+        assert board[way]["store_cpu_ms_per_s"] > 0
+        assert board["at_1024_ms_per_s"][way] > 0
 
 
 @pytest.mark.parametrize("layout", ["1x2x2", "2x2x2", "8x8x16"])

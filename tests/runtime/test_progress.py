@@ -10,6 +10,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from trainmover.runtime.control import StallEvent
+from trainmover.runtime.machinevote import MachineStore
 from trainmover.runtime.progress import (
     GAP_BEATS,
     INTERVAL_S,
@@ -235,20 +237,35 @@ def test_the_judge_reads_ahead_so_its_verdict_falls_on_the_threshold(monkeypatch
 
 
 @contextlib.contextmanager
-def _boards(world: int) -> Iterator[list[ProgressBoard]]:
-    """`world` ranks' beacons on a real store, each in step 5 of epoch e0.
+def _boards(
+    world: int, per_machine: int = 1, host: dist.TCPStore | None = None
+) -> Iterator[list[ProgressBoard]]:
+    """`world` ranks' beacons on a real store, each in step 5 of epoch e0; with
+    `per_machine` > 1, machines of that many ranks fold their entries in a machine store.
 
     Each board is made on a thread of its own that stays alive and never waits: its
     rank's training thread, busy computing. Made on the test's thread, every board would
     see the test's own reads of the store as its training thread waiting."""
-    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    host = host or dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
     address = f"127.0.0.1:{host.port}"
+    machines = [MachineStore() for _ in range(world // per_machine)] if per_machine > 1 else []
     boards: list[ProgressBoard | None] = [None] * world
     made = [threading.Event() for _ in range(world)]
     finished = threading.Event()
 
     def training(rank: int) -> None:
-        boards[rank] = ProgressBoard(address, "j", rank, world, f"m{rank}", interval_s=0.05)
+        slot, local = divmod(rank, per_machine)
+        boards[rank] = ProgressBoard(
+            address,
+            "j",
+            rank,
+            world,
+            f"m{slot}",
+            local,
+            interval_s=0.05,
+            machine_store=machines[slot].address if machines else None,
+            local_world=per_machine,
+        )
         made[rank].set()
         finished.wait()
 
@@ -312,6 +329,49 @@ def test_a_leaver_that_handed_its_role_over_is_not_judged() -> None:
         first = boards[0].read()
         time.sleep(2 * boards[0].interval_s)  # the judge's two reads, apart
         assert boards[0].examine("e0", 5, first, waited_s=3.0, median_step_s=0.1) is None
+
+
+def test_a_machine_writes_its_ranks_entries_as_one_and_each_rank_is_still_judged() -> None:
+    job = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    with _boards(6, per_machine=2, host=job) as boards:
+        for board in boards:
+            board.progress.done = 2
+        for board in boards[:4]:
+            board.progress.voted = 5
+
+        def written() -> bool:
+            entries = boards[3].read().values()
+            return all(e is not None and e.progress == ("e0", 5, 2) for e in entries)
+
+        _until(written, "entry of every rank")
+        # The job's store holds one entry per machine, none per rank.
+        assert [job.check([f"j/progress/m{m}"]) for m in range(3)] == [True] * 3
+        assert not any(job.check([f"j/progress/{r}"]) for r in range(6))
+        entries = boards[3].read()
+        refs = [e.ref for e in entries.values() if e]
+        assert refs == ["m0/0", "m0/1", "m1/0", "m1/1", "m2/0", "m2/1"]
+        # Machine 2's local rank 1 stops (frozen); its local rank 0 goes on computing
+        # in step 5: both are named, each for what it does.
+        boards[5].close()
+        verdicts: list[StallEvent | None] = []
+
+        def judged_silent() -> bool:
+            # Its last beat reaches the job's store with its local rank 0's next one: a
+            # judgement across that copy still sees it move.
+            first = boards[0].read()
+            time.sleep(2 * boards[0].interval_s)
+            verdicts.append(boards[0].examine("e0", 5, first, waited_s=3.0, median_step_s=0.1))
+            return verdicts[-1] is not None and "silent" in verdicts[-1].reason
+
+        _until(judged_silent, "verdict naming the stopped rank silent")
+        stall = verdicts[-1]
+        assert stall is not None and stall.culprits == {"m2": [4, 5]}
+        assert "computing" in stall.reason
+        # A machine that hands its role over takes its one entry with it.
+        boards[3].leave()
+        boards[2].leave()
+        assert not job.check(["j/progress/m1"])
+        assert boards[0].read()[2] is None and boards[0].read()[3] is None
 
 
 def test_waits_are_seen_from_another_thread() -> None:
