@@ -15,11 +15,11 @@ median vote, and the job's store's CPU time per step (it serves every machine of
 job: the part that does not shrink when ranks get their own cores, as they have on a
 real cluster; on this host it also grows with the processes contending). Projection to
 1,024 ranks on machines of 8: the smallest round's vote as measured, plus the job's
-store's CPU per voter (calibrated by one client playing 16 voters' requests on an idle
-store) times the further voters. Both are put beside the job's median step from (a).
+store's CPU per voter (calibrated by 4 clients playing 4 voters' requests each at once,
+which keeps the store busy as a large job does) times the further voters. Both are put beside the job's median step from (a).
 (c) The progress board at the largest size: every rank's beacon for a few seconds, each
 rank writing its entry to the job's store, then folded per machine; the job's store's
-CPU per second, projected to 1,024 ranks from its CPU per entry written.
+CPU per second, and at 1,024 ranks the writes per second and their CPU as calibrated.
 """
 
 from __future__ import annotations
@@ -173,11 +173,18 @@ Samples = list[tuple[float, float]]
 
 
 def _ranks(
-    mode: str, world: int, arg: float, local: int, folded: bool
+    mode: str,
+    world: int,
+    arg: float,
+    local: int,
+    folded: bool,
+    voters: int | None = None,
+    more: tuple[str, ...] = (),
 ) -> tuple[list[list[tuple[float, float]]], Samples, Samples]:
     """`world` store_worker processes of `mode` on a fresh job store (and, `folded`, a
-    store per machine of `local` ranks). Returns each one's spans (`WARMUP` left out of
-    a vote round's), and the job's and the machines' store hosts' CPU samples."""
+    store per machine of `local` ranks); `voters` is their WORLD argument where it is
+    not `world`, `more` their last arguments. Returns each one's spans (`WARMUP` left out of a vote round's), and the
+    job's and the machines' store hosts' CPU samples."""
     job = _Host("job")
     machines = _Host(str(world // local)) if folded else None
     procs: list[subprocess.Popen[str]] = []
@@ -190,7 +197,7 @@ def _ranks(
         procs += [
             subprocess.Popen(
                 [sys.executable, "-m", "trainmover.bench.store_worker", job.addresses,
-                 str(rank), str(world), mode, str(arg), *extra[rank]],
+                 str(rank), str(voters or world), mode, str(arg), *extra[rank], *more],
                 stdout=subprocess.PIPE, stderr=errs[rank], text=True,
             )
             for rank in range(world)
@@ -236,51 +243,72 @@ def _round(mode: str, world: int, steps: int, local: int) -> tuple[list[float], 
 BOARD_S = 5.0
 
 
-def _board(world: int, local: int) -> dict[str, Any]:
+def _idle_cpu_per_s() -> float:
+    """The job store's host's own CPU per second with no client: its sampler, and what
+    an idle server costs."""
+    job = _Host("job")
+    time.sleep(BOARD_S)
+    samples = job.close()
+    t0, c0 = samples[len(samples) // 10]  # its start-up left out
+    t1, c1 = samples[-1]
+    return (c1 - c0) / (t1 - t0)
+
+
+#: Requests of one voter's share of a step in the job's store (add, wait, read).
+VOTER_REQUESTS = 3
+
+
+def _board(world: int, local: int, per_voter_ms: float) -> dict[str, Any]:
     """(c) The progress board: `world` ranks' beacons for BOARD_S seconds, each rank's
     entry written to the job's store, then folded per machine of `local` ranks. Per
-    way: the job's store's CPU per second, and per entry written (per second: ranks or
-    machines times the beacons' rate)."""
-    out: dict[str, Any] = {}
+    way: the job's store's CPU per second above its idle host's. Projected to
+    PROJECTED_RANKS: the entries written per second (ranks or machines, at the beacons'
+    rate) times a request's CPU as calibrated (a board write is one request; measured
+    here, a write of a beacon every 250 ms also wakes an idle server)."""
+    idle = _idle_cpu_per_s()
+    out: dict[str, Any] = {"ranks": world, "local_ranks": local, "idle_ms_per_s": 1e3 * idle}
     for way, folded in (("per_rank", False), ("per_machine", True)):
         spans, samples, _ = _ranks("board", world, BOARD_S, local, folded)
         start, end = max(s[0][0] for s in spans), min(s[0][1] for s in spans)
-        cpu_per_s = _cpu_between(samples, start, end) / (end - start)
-        writes_per_s = (world // local if folded else world) / INTERVAL_S
+        cpu_per_s = _cpu_between(samples, start, end) / (end - start) - idle
         out[way] = {
             "store_cpu_ms_per_s": 1e3 * cpu_per_s,
-            "writes_per_s": writes_per_s,
-            "store_cpu_us_per_write": 1e6 * cpu_per_s / writes_per_s,
+            "writes_per_s": (world // local if folded else world) / INTERVAL_S,
         }
-    out["ranks"], out["local_ranks"] = world, local
     entries = {"per_rank": PROJECTED_RANKS, "per_machine": PROJECTED_RANKS // PROJECTED_LOCAL}
+    out["at_1024_writes_per_s"] = {way: n / INTERVAL_S for way, n in entries.items()}
     out["at_1024_ms_per_s"] = {
-        way: 1e-3 * out[way]["store_cpu_us_per_write"] * n / INTERVAL_S
-        for way, n in entries.items()
+        way: per_voter_ms / VOTER_REQUESTS * n / INTERVAL_S for way, n in entries.items()
     }
     return out
 
 
-#: Voters one calibrating client plays per step.
-CALIBRATE_VOTERS = 16
+#: Clients that play voters at once (the store kept busy, as a large job keeps it), and
+#: the voters each one plays per step.
+CALIBRATE_CLIENTS, CALIBRATE_VOTERS = 4, 4
 
 
 def _calibrate(steps: int) -> float:
-    """The job store's CPU per voter and step (ms) with one client playing the voters'
-    requests (`store_worker.calibrate_votes`): the store's own cost of a voter, which
-    grows a real job's vote with its voters, without this host's contention."""
-    job = _Host("job")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "trainmover.bench.store_worker", job.addresses, "0",
-             str(CALIBRATE_VOTERS), "calibrate", str(steps)],
-            capture_output=True, text=True, timeout=WAIT_S, check=True,
-        )  # fmt: skip
-    finally:
-        samples = job.close()
-    spans = json.loads(proc.stdout)[WARMUP:]
-    cpu = _cpu_between(samples, spans[0][0], spans[-1][1])
-    return 1e3 * cpu / len(spans) / CALIBRATE_VOTERS
+    """The job store's CPU per voter and step (ms) with clients playing the voters'
+    requests (`store_worker.calibrate_votes`) at once: the store's own cost of a voter,
+    which grows a real job's vote with its voters, without this host's contention. One
+    client alone would leave the server idle between its requests, and on this VM
+    waking an idle server costs more than the request itself (about 25 us of CPU per
+    request from idle, 10 us back to back)."""
+    spans, samples, _ = _ranks(
+        "calibrate",
+        CALIBRATE_CLIENTS,
+        steps,
+        1,
+        False,
+        voters=CALIBRATE_VOTERS,
+        more=(str(CALIBRATE_CLIENTS),),
+    )
+    start, end = max(s[0][0] for s in spans), min(s[-1][1] for s in spans)
+    if end <= start:
+        raise RuntimeError("the calibrating clients never played at the same time")
+    played = sum(1 for s in spans for a, b in s if a >= start and b <= end)
+    return 1e3 * _cpu_between(samples, start, end) / played / CALIBRATE_VOTERS
 
 
 def _voters(mode: str, world: int, local: int) -> int:
@@ -351,15 +379,15 @@ def main(args: argparse.Namespace) -> int:
     progress = Progress("store", args.kills + args.rounds * len(sizes) * len(MODES) + 2)
     losses = asyncio.run(_losses(args, progress))
     votes = _votes(args, progress)
-    board = _board(votes[-1]["ranks"], args.local_ranks)
+    step_ms = 1e3 * losses["median_step_s"]
+    per_voter_ms = _calibrate(args.steps)
+    progress.step(f"the job's store: {1e3 * per_voter_ms:.1f} us of CPU per voter and step")
+    board = _board(votes[-1]["ranks"], args.local_ranks, per_voter_ms)
     progress.step(
         f"the progress board at {board['ranks']} ranks: the job's store "
         f"{board['per_rank']['store_cpu_ms_per_s']:.1f} ms of CPU per second per rank, "
         f"{board['per_machine']['store_cpu_ms_per_s']:.1f} folded per machine"
     )
-    step_ms = 1e3 * losses["median_step_s"]
-    per_voter_ms = _calibrate(args.steps)
-    progress.step(f"the job's store: {1e3 * per_voter_ms:.1f} us of CPU per voter and step")
     projection = {m: _projection(votes, m, per_voter_ms) for m in MODES}
     for row in votes:
         for mode in MODES:
@@ -411,9 +439,10 @@ def main(args: argparse.Namespace) -> int:
     ]
     lines += [
         f"progress board, {way.replace('_', ' ')}: {board[way]['store_cpu_ms_per_s']:.1f} ms "
-        f"of the job's store's CPU per second at {board['ranks']} ranks "
-        f"({board[way]['store_cpu_us_per_write']:.0f} us per entry written); "
-        f"{board['at_1024_ms_per_s'][way]:.0f} ms per second at {PROJECTED_RANKS} ranks"
+        f"of the job's store's CPU per second at {board['ranks']} ranks (above its idle "
+        f"host's {board['idle_ms_per_s']:.1f}); at {PROJECTED_RANKS} ranks "
+        f"{board['at_1024_writes_per_s'][way]:.0f} writes per second, "
+        f"{board['at_1024_ms_per_s'][way]:.0f} ms of its CPU per second"
         for way in ("per_rank", "per_machine")
     ]
     text = f"{loss_table}\n\n{vote_table}\n\nprojected:\n" + "\n".join(lines) + "\n"

@@ -1,7 +1,7 @@
 """One rank of `trainmover bench store`'s vote rounds: votes on `--steps` steps through
 the rendezvous store and prints each vote's start and end as JSON.
 
-    python -m trainmover.bench.store_worker ADDRESS RANK WORLD MODE STEPS [MACHINE LOCAL]
+    python -m trainmover.bench.store_worker ADDRESS RANK WORLD MODE STEPS [MACHINE LOCAL | CLIENTS]
 
 MODE `trainmover`: the runtime's own commit agreement (`CommitAgreement`: a counted
 decision of the failover client, its watcher thread), every rank a voter in the job's
@@ -12,7 +12,8 @@ client, as the runtime made it before the store had replicas (one add, the last 
 compare-and-set, a wait for the decision). MODE `board`: the rank's progress-board
 beacon for STEPS seconds, folded into its machine's store when MACHINE is given; it
 prints the span in which it beat. MODE `calibrate`: one process plays WORLD
-voters' requests to the job's store (`calibrate_votes`).
+voters' requests to the job's store (`calibrate_votes`; RANK tags its keys, and the
+last argument counts the clients that start together).
 
     python -m trainmover.bench.store_worker host job|MACHINES
 
@@ -87,15 +88,20 @@ def tcpstore_votes(address: str, world: int, steps: int) -> list[Span]:
     return spans
 
 
-def calibrate_votes(address: str, voters: int, steps: int) -> list[Span]:
-    """The job store's side of `voters` voters, played by one client against an otherwise
-    idle store: per step each voter's add, then the decision, then each voter's wait and
-    read. Its store's CPU per step and voter is the store's cost of a voter, apart from
-    the contention of many processes on a small host."""
+def calibrate_votes(address: str, voters: int, steps: int, tag: str, clients: int) -> list[Span]:
+    """The job store's side of `voters` voters, played by one client (keys under `tag`):
+    per step each voter's add, then the decision, then each voter's wait and read.
+    Several such clients at once keep the store busy, as a large job does: its CPU per
+    step and voter is then the store's cost of a voter, apart from the contention of many
+    processes on a small host and from waking an idle server for each request."""
     store = _bare_client(address)
+    # The clients start together (each one's process starts when it will).
+    if store.add("bench/calibrate/ready", 1) == clients:
+        store.set("bench/calibrate/go", "1")
+    store.wait(["bench/calibrate/go"], timedelta(seconds=TIMEOUT_S))
     spans = []
     for step in range(1, steps + 1):
-        key = f"bench/calibrate/{step}"
+        key = f"bench/calibrate/{tag}/{step}"
         started = time.monotonic()
         for _ in range(voters):
             store.add(f"{key}/votes", 1)
@@ -167,7 +173,7 @@ def main(argv: list[str]) -> int:
         tally = MachineTally(machine_address, local_rank, int(local), TIMEOUT_S)
         spans = trainmover_votes(address, int(world), int(steps), tally)
     elif mode == "calibrate":
-        spans = calibrate_votes(address, int(world), int(steps))
+        spans = calibrate_votes(address, int(world), int(steps), rank, int(machine[0]))
     elif mode == "trainmover":
         spans = trainmover_votes(address, int(world), int(steps))
     else:

