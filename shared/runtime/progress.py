@@ -352,10 +352,11 @@ class ProgressBoard:
         for raw in values:
             try:
                 machine = json.loads(raw)
-            except ValueError:
-                continue
-            for rank, entry in machine.items():
-                entries[int(rank)] = Entry.from_dict(entry)
+                for rank, entry in machine.items():
+                    if int(rank) in entries:
+                        entries[int(rank)] = Entry.from_dict(entry)
+            except (ValueError, AttributeError):
+                continue  # not a machine's entries: as if it had written none
         return entries
 
     def claim(self, epoch: str, step: int, attempt: int) -> bool:

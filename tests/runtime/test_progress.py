@@ -374,6 +374,18 @@ def test_a_machine_writes_its_ranks_entries_as_one_and_each_rank_is_still_judged
         assert boards[0].read()[2] is None and boards[0].read()[3] is None
 
 
+def test_a_machine_entry_that_is_not_one_reads_as_none_written() -> None:
+    job = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    with _boards(4, per_machine=2, host=job) as boards:
+        _until(lambda: None not in boards[0].read().values(), "entry of every rank")
+        boards[2].close()  # machine 1's local rank 0: its key is written no more
+        for garbage in ("[1, 2]", '{"x": 1}', '{"3": [1]}', "not json"):
+            job.set("j/progress/m1", garbage)
+            entries = boards[0].read()
+            assert entries[2] is None and entries[3] is None, garbage
+            assert entries[0] is not None and entries[1] is not None
+
+
 def test_waits_are_seen_from_another_thread() -> None:
     me = threading.get_ident()
     assert not WAITS.is_waiting(me)
