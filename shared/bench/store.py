@@ -16,7 +16,8 @@ job: the part that does not shrink when ranks get their own cores, as they have 
 real cluster; on this host it also grows with the processes contending). Projection to
 1,024 ranks on machines of 8: the smallest round's vote as measured, plus the job's
 store's CPU per voter (calibrated by 4 clients playing 4 voters' requests each at once,
-which keeps the store busy as a large job does) times the further voters. Both are put beside the job's median step from (a).
+which keeps the store busy as a large job does) times the further voters. Both are put
+beside the job's median step from (a).
 (c) The progress board at the largest size: every rank's beacon for a few seconds, each
 rank writing its entry to the job's store, then folded per machine; the job's store's
 CPU per second, and at 1,024 ranks the writes per second and their CPU as calibrated.

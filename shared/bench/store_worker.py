@@ -1,5 +1,6 @@
-"""One rank of `trainmover bench store`'s vote rounds: votes on `--steps` steps through
-the rendezvous store and prints each vote's start and end as JSON.
+"""One process of `trainmover bench store`: a rank that votes on `--steps` steps through
+the rendezvous store (or beats on the progress board, or plays voters to calibrate the
+store) and prints each vote's start and end as JSON.
 
     python -m trainmover.bench.store_worker ADDRESS RANK WORLD MODE STEPS [MACHINE LOCAL | CLIENTS]
 
