@@ -28,6 +28,12 @@ HOST = "127.0.0.1"
 """The machine's ranks share a host: the store listens on loopback."""
 
 
+def client_of(address: str, timeout_s: float) -> dist.TCPStore:
+    """A plain client of the machine's store at `address` (host:port)."""
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
 class MachineStore:
     """The store the ranks of one machine count their votes in (a TCPStore server on its
     own thread, in local rank 0's process)."""
@@ -44,20 +50,14 @@ class MachineTally:
     thread; `relay` (local rank 0) or `wait` (the others) on the watcher thread."""
 
     def __init__(self, address: str, local_rank: int, local_world: int, timeout_s: float):
-        host, _, port = address.rpartition(":")
         #: The machine's store (where the progress board folds its ranks' entries too).
         self.address = address
         self.local_world = local_world
         #: Local rank 0 watches the job's store and writes each decision here.
         self.relays = local_rank == 0
 
-        def client() -> dist.TCPStore:
-            return dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)
-            )
-
-        self._voting = client()
-        self._watching = client()
+        self._voting = client_of(address, timeout_s)
+        self._watching = client_of(address, timeout_s)
         #: The store itself, on local rank 0 (kept alive with this tally).
         self.server: MachineStore | None = None
 

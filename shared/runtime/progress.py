@@ -63,12 +63,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from trainmover.runtime.control import StallEvent
+from trainmover.runtime.machinevote import client_of
 from trainmover.runtime.steptime import WAITS, SchedStat, process_run_queue_s
 from trainmover.runtime.storeclient import ABSENT, Store
 
@@ -85,11 +83,6 @@ GAP_BEATS = 4
 #: thread of a rank outside any collective, by the threads of a blocked rank's process)
 #: from which a rank is starved rather than computing or blocked.
 STARVED = 0.5
-
-
-def _machine_client(address: str, timeout_s: float) -> dist.TCPStore:
-    host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 @dataclass
@@ -238,7 +231,7 @@ class ProgressBoard:
         self.fold = local_world if machine_store else 1
         # A beat, on its own thread, may wait long: the store's server can stall for
         # seconds after a burst of connections (every rank of a launch connects at once).
-        self._local = _machine_client(machine_store, timeout_s) if machine_store else None
+        self._local = client_of(machine_store, timeout_s) if machine_store else None
         self.interval_s = interval_s
         self.progress = Progress()
         self._training_thread = threading.get_ident()
