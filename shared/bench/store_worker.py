@@ -94,24 +94,34 @@ def calibrate_votes(address: str, voters: int, steps: int, tag: str, clients: in
     per step each voter's add, then the decision, then each voter's wait and read.
     Several such clients at once keep the store busy, as a large job does: its CPU per
     step and voter is then the store's cost of a voter, apart from the contention of many
-    processes on a small host and from waking an idle server for each request."""
+    processes on a small host and from waking an idle server for each request.
+
+    A client plays rounds of `steps` steps until every client has played one: the last
+    one to start (a process is scheduled when the host lets it) still plays beside the
+    others, so the clients' spans always overlap."""
     store = _bare_client(address)
     # The clients start together (each one's process starts when it will).
     if store.add("bench/calibrate/ready", 1) == clients:
         store.set("bench/calibrate/go", "1")
     store.wait(["bench/calibrate/go"], timedelta(seconds=TIMEOUT_S))
-    spans = []
-    for step in range(1, steps + 1):
-        key = f"bench/calibrate/{tag}/{step}"
-        started = time.monotonic()
-        for _ in range(voters):
-            store.add(f"{key}/votes", 1)
-        store.compare_set(f"{key}/decision", "", "commit")
-        for _ in range(voters):
-            store.wait([f"{key}/decision"], timedelta(seconds=TIMEOUT_S))
-            store.compare_set(f"{key}/decision", ABSENT, ABSENT)
-        spans.append((started, time.monotonic()))
-    return spans
+    spans: list[Span] = []
+    played_once = False
+    while True:
+        for _ in range(steps):
+            key = f"bench/calibrate/{tag}/{len(spans)}"
+            started = time.monotonic()
+            for _ in range(voters):
+                store.add(f"{key}/votes", 1)
+            store.compare_set(f"{key}/decision", "", "commit")
+            for _ in range(voters):
+                store.wait([f"{key}/decision"], timedelta(seconds=TIMEOUT_S))
+                store.compare_set(f"{key}/decision", ABSENT, ABSENT)
+            spans.append((started, time.monotonic()))
+        # One request per round, not per step: little beside the voters' own requests.
+        done = store.add("bench/calibrate/done", 0 if played_once else 1)
+        played_once = True
+        if done >= clients:
+            return spans
 
 
 def board_beats(address: str, rank: int, world: int, seconds: float, machine: list[str]) -> Span:
