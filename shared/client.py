@@ -189,32 +189,37 @@ class TrainMoverClient:
 
     async def migrations(self, job: str) -> list[MigrationProgress]:
         """The latest progress of every migration the bus still holds, oldest first: the
-        in-flight ones in their current phase, the ended ones with their downtime."""
+        in-flight ones in their current phase, the ended ones with their downtime. Read
+        again when a server of the bus cluster went away meanwhile."""
         check_name("job", job)
         subjects = JobSubjects(job)
-        info = await self._js.stream_info(subjects.stream("PROGRESS"))
-        last_seq = info.state.last_seq
-        latest: dict[str, MigrationProgress] = {}
-        if info.state.messages == 0:
-            return []
-        sub = await self._js.subscribe(
-            subjects.progress,
-            stream=subjects.stream("PROGRESS"),  # clients may not look streams up
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-        )
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=5)
-                with contextlib.suppress(MessageError):
-                    progress = decode(MigrationProgress, msg.data)
-                    latest.pop(progress.event_id, None)  # re-insert: ordered by latest
-                    latest[progress.event_id] = progress
-                if msg.metadata.sequence.stream >= last_seq:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return list(latest.values())
+
+        async def read() -> list[MigrationProgress]:
+            info = await self._js.stream_info(subjects.stream("PROGRESS"))
+            last_seq = info.state.last_seq
+            latest: dict[str, MigrationProgress] = {}
+            if info.state.messages == 0:
+                return []
+            sub = await self._js.subscribe(
+                subjects.progress,
+                stream=subjects.stream("PROGRESS"),  # clients may not look streams up
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL,
+            )
+            try:
+                while True:
+                    msg = await sub.next_msg(timeout=5)
+                    with contextlib.suppress(MessageError):
+                        progress = decode(MigrationProgress, msg.data)
+                        latest.pop(progress.event_id, None)  # re-insert: ordered by latest
+                        latest[progress.event_id] = progress
+                    if msg.metadata.sequence.stream >= last_seq:
+                        break
+            finally:
+                await sub.unsubscribe()
+            return list(latest.values())
+
+        return await bus.through_failover(read, f"migrations of {job}")
 
     def watch(self, job: str, *, from_start: bool = False) -> Watch:
         """Follows the job's events and migration progress as they are published.

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -166,22 +167,28 @@ class LocalCluster:
     async def wait_state(
         self, predicate: Callable[[ClusterState], bool], timeout: float
     ) -> ClusterState:
-        """Until the planner's cluster state satisfies `predicate`; returns that state."""
-        kv = await bus.job_bucket(self.nc.jetstream(), self.job)
-        watcher = await kv.watch(STATE_KEY)
+        """Until the planner's cluster state satisfies `predicate`; returns that state.
+        A watch that a server of the bus cluster took with it is set up again."""
+
+        async def watch() -> Any:
+            kv = await bus.job_bucket(self.nc.jetstream(), self.job)
+            return await kv.watch(STATE_KEY)
 
         async def reached() -> ClusterState:
-            async for entry in watcher:
-                if entry is not None and entry.value:
-                    state = decode(ClusterState, entry.value)
-                    if predicate(state):
-                        return state
-            raise RuntimeError("the cluster state watch ended")
+            while True:
+                watcher = await bus.through_failover(watch, f"watch the state of {self.job}")
+                try:
+                    async for entry in watcher:
+                        if entry is not None and entry.value:
+                            state = decode(ClusterState, entry.value)
+                            if predicate(state):
+                                return state
+                except bus.BUS_FAILOVER_ERRORS:
+                    pass
+                finally:
+                    await watcher.stop()
 
-        try:
-            return await asyncio.wait_for(reached(), timeout)
-        finally:
-            await watcher.stop()
+        return await asyncio.wait_for(reached(), timeout)
 
     async def wait_standbys_warm(self, timeout: float) -> ClusterState:
         """Until every configured standby is in the pool, warm for some role type: a

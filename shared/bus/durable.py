@@ -178,9 +178,9 @@ BUS_FAILOVER_ERRORS = (NatsTimeout, NoStreamResponseError, ServiceUnavailableErr
 async def through_failover(
     write: Callable[[], Awaitable[T]], what: str, deadline_s: float = FAILOVER_S
 ) -> T:
-    """Runs the idempotent `write` (a key-value put, a deduplicated publish), again while
-    the stream has no leader or its answer was lost (a server of the cluster died), for
-    up to `deadline_s`; then raises the last error."""
+    """Runs the idempotent `write` (a key-value put, a deduplicated publish, or a read),
+    again while the stream has no leader or its answer was lost (a server of the cluster
+    died), for up to `deadline_s`; then raises the last error."""
     give_up = time.monotonic() + deadline_s
     attempt = 0
     while True:
@@ -190,7 +190,7 @@ async def through_failover(
         except BUS_FAILOVER_ERRORS as err:
             if time.monotonic() >= give_up:
                 raise
-            log.info("write_retry", what=what, attempt=attempt, error=repr(err))
+            log.info("bus_retry", what=what, attempt=attempt, error=repr(err))
             await asyncio.sleep(min(0.1 * attempt, 1.0))
 
 

@@ -17,21 +17,26 @@ from trainmover.subjects import JobSubjects
 
 
 async def stream_messages(cluster: LocalCluster, subject: str, stream: str) -> list[bytes]:
-    """Every message the bus holds on `subject`, oldest first."""
+    """Every message the bus holds on `subject`, oldest first; read again when a server
+    of the bus cluster went away meanwhile."""
     js = cluster.nc.jetstream()
-    info = await js.stream_info(JobSubjects(cluster.job).stream(stream))
-    if info.state.messages == 0:
-        return []
-    sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-    out = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=10)
-            out.append(msg.data)
-            if msg.metadata.sequence.stream >= info.state.last_seq:
-                return out
-    finally:
-        await sub.unsubscribe()
+
+    async def read() -> list[bytes]:
+        info = await js.stream_info(JobSubjects(cluster.job).stream(stream))
+        if info.state.messages == 0:
+            return []
+        sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        out = []
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=10)
+                out.append(msg.data)
+                if msg.metadata.sequence.stream >= info.state.last_seq:
+                    return out
+        finally:
+            await sub.unsubscribe()
+
+    return await bus.through_failover(read, f"messages of {stream}")
 
 
 async def assert_each_once(cluster: LocalCluster, event_ids: list[str]) -> None:

@@ -54,7 +54,10 @@ async def _leader(cluster: LocalCluster, which: str) -> int:
     if which == "meta":
         name = await asyncio.to_thread(servers.meta_leader)
     else:
-        info = await cluster.nc.jetstream().stream_info(JobSubjects(cluster.job).stream("EVENTS"))
+        stream = JobSubjects(cluster.job).stream("EVENTS")
+        info = await bus.through_failover(
+            lambda: cluster.nc.jetstream().stream_info(stream), f"info of {stream}"
+        )
         assert info.config.num_replicas == 3
         name = info.cluster.leader if info.cluster else None
     assert name, f"no {which} leader"
