@@ -65,6 +65,10 @@ class FaultRecord:
     #: step before the fault and the first step past its recovery, less the steps done
     #: meanwhile times the normal step time measured before the fault (`lost_time`).
     lost_s: float | None = None
+    #: The longest single hold within that window: the largest gap between two of the
+    #: job's consecutive steps, less their normal time (`longest_stall`). Near `lost_s`:
+    #: the job waited once; far below it: the steps ran slower throughout (a busy host).
+    stall_s: float | None = None
     migration_downtime_s: list[float] = field(default_factory=list)
     migrations: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
@@ -121,6 +125,19 @@ def lost_time(before: tuple[float, int], after: tuple[float, int], step_s: float
     machines' own, so a bus that delivers the statistics late adds nothing."""
     (t0, s0), (t1, s1) = before, after
     return round(max(0.0, (t1 - t0) - (s1 - s0) * step_s), 3)
+
+
+def longest_stall(
+    timeline: list[tuple[float, int]], before: tuple[float, int], step_s: float
+) -> float:
+    """The largest gap between consecutive (stamp, step) points of `timeline` from
+    `before` on, less the normal time of the steps between them."""
+    points = [p for p in timeline if p[0] >= before[0]]
+    gaps = (
+        (t1 - t0) - (s1 - s0) * step_s
+        for (t0, s0), (t1, s1) in zip(points, points[1:], strict=False)
+    )
+    return round(max([0.0, *gaps]), 3)
 
 
 def _median(values: list[float]) -> float | None:

@@ -39,6 +39,7 @@ from trainmover.chaos.report import (
     FaultRecord,
     SoakReport,
     SoakSettings,
+    longest_stall,
     lost_time,
     print_summary,
 )
@@ -189,6 +190,7 @@ class Soak:
                 + ("recovered" if record.recovered else "NOT RECOVERED")
                 + (f" in {record.recovery_s:.1f}s" if record.recovery_s else "")
                 + (f", lost {record.lost_s:.2f}s" if record.lost_s is not None else "")
+                + (f" (longest hold {record.stall_s:.2f}s)" if record.stall_s else "")
                 + (f"; VIOLATIONS {record.violations}" if record.violations else "")
             )
             if not record.recovered:
@@ -221,7 +223,9 @@ class Soak:
             return record
         record.recovered = True
         record.recovery_s = round(time.monotonic() - t_inject, 2)
-        record.lost_s = lost_time(before, obs.last_step, step_s) if step_s else None
+        if step_s:
+            record.lost_s = lost_time(before, obs.last_step, step_s)
+            record.stall_s = longest_stall(obs.timeline, before, step_s)
         for p in obs.progress[progress_before:]:
             if p.state in ("done", "failed", "aborted", "retrying", "fallback"):
                 record.migrations.append(f"{p.state}: {p.leaver} -> {p.joiner}: {p.detail}")

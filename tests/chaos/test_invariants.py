@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainmover.chaos.invariants import check_accounting, check_replicas, has_come_back
-from trainmover.chaos.report import SoakSettings, lost_time
+from trainmover.chaos.report import SoakSettings, longest_stall, lost_time
 from trainmover.chaos.soak import soak_config
 from trainmover.messages import ClusterState, Heartbeat, MachineState, WorkerStatus
 from trainmover.runtime.layout import MachineRole
@@ -134,3 +134,21 @@ def test_lost_time_is_the_stamped_gap_less_the_steps_done() -> None:
     assert lost_time((100.0, 50), (101.5, 60), 0.1) == 0.5
     assert lost_time((100.0, 50), (101.0, 60), 0.1) == 0.0
     assert lost_time((100.0, 50), (100.5, 60), 0.1) == 0.0
+
+
+def test_the_longest_stall_tells_one_hold_from_steps_slowed_throughout() -> None:
+    """The same 0.5 s lost, once in one gap (a stall of 0.5 s), once spread over ten
+    slower steps (none held more than 0.05 s); points before the fault do not count."""
+    held = [
+        (99.0, 40),
+        (100.0, 50),
+        (100.1, 51),
+        (100.7, 52),
+        *((100.7 + 0.1 * i, 52 + i) for i in range(1, 9)),
+    ]
+    assert lost_time((100.0, 50), held[-1], 0.1) == 0.5
+    assert longest_stall(held, (100.0, 50), 0.1) == 0.5
+    slowed = [(95.0, 40), (100.0, 50), *((100.0 + 0.15 * i, 50 + i) for i in range(1, 11))]
+    assert lost_time((100.0, 50), slowed[-1], 0.1) == 0.5
+    assert longest_stall(slowed, (100.0, 50), 0.1) == 0.05
+    assert longest_stall([(100.0, 50)], (100.0, 50), 0.1) == 0.0
