@@ -11,6 +11,7 @@ instead of sleeping.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -47,6 +48,9 @@ class Observer:
         self.job = cluster.job
         #: (the machine's stamp, job step) each time the job's furthest step grew.
         self.timeline: list[tuple[float, int]] = []
+        #: Per step, the longest a machine's training thread waited for a CPU outside
+        #: its collectives (`StepStats.queued_s`): the slowest machine sets the pace.
+        self.queued: dict[int, float] = {}
         self.steps: dict[str, int] = {}
         self.beats: dict[str, Heartbeat] = {}
         self.progress: list[MigrationProgress] = []
@@ -85,6 +89,7 @@ class Observer:
         except MessageError:
             return
         self.steps[stats.machine] = max(self.steps.get(stats.machine, -1), stats.step)
+        self.queued[stats.step] = max(self.queued.get(stats.step, 0.0), stats.queued_s)
         if not self.timeline or stats.step > self.timeline[-1][1]:
             self.timeline.append((stats.ts, stats.step))
         await self._notify()
@@ -133,6 +138,23 @@ class Observer:
         if end_step <= start[1]:
             return 0.0
         return (end_t - start[0]) / (end_step - start[1])
+
+    def queued_extra(self, first: int, last: int, window_s: float = 30.0) -> float | None:
+        """Seconds the job's steps `first`..`last` waited for a CPU beyond the recent
+        normal (the median per step in the `window_s` before `first`); None without
+        statistics for both."""
+        start_t = next((t for t, s in self.timeline if s >= first), None)
+        if start_t is None:
+            return None
+        before = [
+            self.queued[s] for t, s in self.timeline
+            if start_t - window_s <= t < start_t and s in self.queued
+        ]  # fmt: skip
+        during = [self.queued[s] for s in range(first, last + 1) if s in self.queued]
+        if not before or not during:
+            return None
+        normal = statistics.median(before)
+        return round(sum(during) - normal * len(during), 3)
 
     def progress_of(self, event_id: str) -> list[MigrationProgress]:
         return [p for p in self.progress if p.event_id == event_id]

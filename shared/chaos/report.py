@@ -69,6 +69,10 @@ class FaultRecord:
     #: job's consecutive steps, less their normal time (`longest_stall`). Near `lost_s`:
     #: the job waited once; far below it: the steps ran slower throughout (a busy host).
     stall_s: float | None = None
+    #: How much longer than before the fault the job's steps in that window waited for a
+    #: CPU (`Observer.queued_extra`): near `lost_s` with a short `stall_s`, the steps were
+    #: slowed by other processes on the cores (on one host: the bus servers' own restart).
+    queued_extra_s: float | None = None
     migration_downtime_s: list[float] = field(default_factory=list)
     migrations: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
@@ -138,6 +142,17 @@ def longest_stall(
         for (t0, s0), (t1, s1) in zip(points, points[1:], strict=False)
     )
     return round(max([0.0, *gaps]), 3)
+
+
+def lost_text(record: FaultRecord) -> str:
+    """The training time a fault cost, as the soak prints it: what was lost, its longest
+    single hold, and the extra waiting for a CPU."""
+    if record.lost_s is None:
+        return ""
+    why = [f"longest hold {record.stall_s:.2f}s"] if record.stall_s is not None else []
+    if record.queued_extra_s is not None:
+        why.append(f"{record.queued_extra_s:+.2f}s waiting for a CPU")
+    return f", lost {record.lost_s:.2f}s" + (f" ({', '.join(why)})" if why else "")
 
 
 def _median(values: list[float]) -> float | None:

@@ -40,6 +40,7 @@ from trainmover.chaos.report import (
     SoakReport,
     SoakSettings,
     longest_stall,
+    lost_text,
     lost_time,
     print_summary,
 )
@@ -189,8 +190,7 @@ class Soak:
                 f"#{index} {kind} {record.target or ''}: "
                 + ("recovered" if record.recovered else "NOT RECOVERED")
                 + (f" in {record.recovery_s:.1f}s" if record.recovery_s else "")
-                + (f", lost {record.lost_s:.2f}s" if record.lost_s is not None else "")
-                + (f" (longest hold {record.stall_s:.2f}s)" if record.stall_s else "")
+                + lost_text(record)
                 + (f"; VIOLATIONS {record.violations}" if record.violations else "")
             )
             if not record.recovered:
@@ -226,6 +226,7 @@ class Soak:
         if step_s:
             record.lost_s = lost_time(before, obs.last_step, step_s)
             record.stall_s = longest_stall(obs.timeline, before, step_s)
+            record.queued_extra_s = obs.queued_extra(start_step + 1, obs.job_step)
         for p in obs.progress[progress_before:]:
             if p.state in ("done", "failed", "aborted", "retrying", "fallback"):
                 record.migrations.append(f"{p.state}: {p.leaver} -> {p.joiner}: {p.detail}")
