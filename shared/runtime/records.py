@@ -103,9 +103,10 @@ class NatsRecordStore:
     async def _guarded(self, work: Callable[[], Coroutine[Any, Any, T]], wait: bool = False) -> T:
         """`work`, raising PermissionDenied as soon as the server refuses one of its
         JetStream calls or object publishes (nats-py alone would wait for a timeout).
-        With `wait`, a JetStream that does not answer for a while (a stream electing its
-        leader, a server restarting) is waited out within the call's time: a standby's
-        read, which no training waits for, that would otherwise leave it cold."""
+        With `wait`, a JetStream that does not answer for a while, or answers that it is
+        unavailable (a stream electing its leader, a server of the cluster restarting),
+        is waited out within the call's time: a standby's read, which no training waits
+        for, that would otherwise leave it cold."""
         if self._nc is None:
             self._nc = await bus.connect(self.url, self.client_name, auth=self.auth)
         subjects = ["$JS.API.>", *obj_subjects(self.bucket)]
@@ -114,7 +115,7 @@ class NatsRecordStore:
         while True:
             try:
                 return await denials.of(self._nc).guard(work(), subjects)
-            except (nats_errors.TimeoutError, nats_errors.NoRespondersError):
+            except (*bus.BUS_FAILOVER_ERRORS, nats_errors.NoRespondersError):
                 if not wait or time.monotonic() + pause > deadline:
                     raise
                 await asyncio.sleep(pause)
