@@ -54,6 +54,10 @@ log = get_logger("sidecar")
 #: is quiet (`bus.follow`).
 SIDECAR_STATE_CHECK_S = 5.0
 
+#: Seconds before a failed warm-up is tried again, doubling up to the second value: a
+#: cause that passes (the bus back) is soon over, one that stays is not retried in a loop.
+WARM_RETRY_FIRST_S, WARM_RETRY_MAX_S = 2.0, 60.0
+
 
 @dataclass
 class SidecarSettings:
@@ -355,18 +359,23 @@ class Sidecar:
         result = await asyncio.to_thread(self.workers.warm, types, timeout)
         self._warm_types = list(result["role_types"])  # type: ignore[call-overload]
         self._beat_now.set()
-        log.info("standby_warm", job=self.job, machine=self.machine, **result)
+        if result["errors"]:
+            log.warning("warm_up_failed", job=self.job, machine=self.machine, **result)
+        else:
+            log.info("standby_warm", job=self.job, machine=self.machine, **result)
         return result
 
     async def _warm_quietly(self) -> None:
-        """A standby warms up as soon as its workers are up; a failure leaves it cold
-        (the planner never picks it) and is logged with its reason. Workers that are
-        alive but slow (each imports torch; a loaded host takes minutes) are waited for
-        again: giving up on them would leave a healthy standby cold for good."""
-        while True:
+        """A standby warms up as soon as its workers are up. Workers that are alive but
+        slow (each imports torch; a loaded host takes minutes) are waited for again, and a
+        warm-up that failed (its recordings unreadable while the bus was away, say) is
+        tried again after a growing pause, as long as these workers are a standby:
+        giving up would leave a healthy standby cold, out of the pool for good. Workers
+        that died leave it cold, logged with the reason."""
+        instance, pause = self._instance, WARM_RETRY_FIRST_S
+        while self._instance == instance and self._status == "standby":
             try:
-                await self._warm(self.s.command_timeout_s)
-                return
+                result = await self._warm(self.s.command_timeout_s)
             except TimeoutError as err:
                 if not self.workers.running():
                     log.error("warm_up_failed", job=self.job, machine=self.machine, error=str(err))
@@ -377,9 +386,15 @@ class Sidecar:
                     machine=self.machine,
                     reason=f"{err}; its workers are alive, waiting again",
                 )
+                continue
             except Exception as err:
                 log.error("warm_up_failed", job=self.job, machine=self.machine, error=str(err))
                 return
+            if not result["errors"] or result["role_types"]:
+                return  # warm (for some types, maybe): the planner may pick it already
+            log.info("warm_up_retry", job=self.job, machine=self.machine, retry_in_s=pause)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, WARM_RETRY_MAX_S)
 
     async def _release(self, plan: Plan, timeout: float) -> dict[str, object]:
         """After the leaver's switch: its workers exit, maintenance, then back as a standby."""

@@ -344,12 +344,19 @@ class MachineWorkers:
         }
 
     def warm(self, role_types: list[str], timeout_s: float) -> dict[str, object]:
-        """Shadow iterations for each role type on this standby's ranks."""
+        """Shadow iterations for each role type on this standby's ranks: the machine is
+        warm for the role types every rank warmed for; `errors` names each rank whose
+        warm-up failed."""
         self.wait_connected(timeout_s)
         warmed = self.commands.warm(self.refs, role_types, timeout_s=timeout_s)
         first = next(iter(warmed.values()))
         return {
-            "role_types": first.role_types,
+            "role_types": [
+                t for t in first.role_types if all(t in w.role_types for w in warmed.values())
+            ],
+            "errors": [
+                f"local rank {r.local_rank}: {w.error}" for r, w in warmed.items() if w.error
+            ],
             "iteration_s": first.iteration_s,
             "replayed": sum(w.replayed for w in warmed.values()),
             "synthesized": sum(w.synthesized for w in warmed.values()),
