@@ -321,7 +321,9 @@ class Migration:
     async def _all(
         self, op: CommandOp, machines: list[str], plan: bool = True, **args: Any
     ) -> dict[str, dict[str, Any]]:
-        """Sends `op` to every machine at once; all must succeed."""
+        """Sends `op` to every machine at once; all must succeed. The first failure
+        ends the others' sends (their retries to a machine that may meanwhile be
+        relaunched as someone else would outlive the migration)."""
 
         async def one(machine: str) -> dict[str, Any]:
             payload: dict[str, Any] = {**args, "timeout_s": self.timeout_s}
@@ -344,7 +346,14 @@ class Migration:
                 )
             return reply.result
 
-        results = await asyncio.gather(*(one(m) for m in machines))
+        sends = [asyncio.ensure_future(one(m)) for m in machines]
+        try:
+            results = await asyncio.gather(*sends)
+        except BaseException:
+            for send in sends:
+                send.cancel()
+            await asyncio.gather(*sends, return_exceptions=True)
+            raise
         return dict(zip(machines, results, strict=True))
 
     async def _request(self, command: Command) -> CommandReply:

@@ -57,9 +57,19 @@ class Sidecars:
     refuse: set[tuple[str, str]] = field(default_factory=set)
     error: str = "no such plan"
     sent: list[Command] = field(default_factory=list)
+    #: (op, machine) pairs that get no answer (their sender retries until cancelled),
+    #: and those of them whose send was cancelled.
+    silent: set[tuple[str, str]] = field(default_factory=set)
+    cancelled: list[tuple[str, str]] = field(default_factory=list)
 
     async def send(self, command: Command) -> CommandReply:
         self.sent.append(command)
+        if (command.op, command.machine) in self.silent:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.append((command.op, command.machine))
+                raise
         if (command.op, command.machine) in self.refuse:
             return CommandReply(command_id=command.command_id, ok=False, error=self.error)
         return CommandReply(command_id=command.command_id, ok=True, result=self._result(command))
@@ -246,6 +256,18 @@ def test_a_refused_command_fails_the_migration_and_aborts_the_joiner() -> None:
     assert h.states()[-1] == "failed"
     assert h.saved[-1].phase == "failed"
     assert h.settled == []  # nobody died: nothing for the planner to act on
+
+
+def test_a_failed_phase_ends_the_sends_still_waiting_for_an_answer() -> None:
+    """m1 refuses its prepare while the joiner s0 has not answered yet: the migration
+    fails at once, and the prepare to s0 is no longer sent (a machine relaunched
+    meanwhile would take it for its own)."""
+    plan = drain_plan()
+    h = harness(plan, refuse={("prepare", "m1")}, silent={("prepare", "s0")})
+    final = h.run(MigrationRecord(plan=plan))
+    assert final.phase == "failed"
+    assert final.error is not None and "prepare on m1: no such plan" in final.error
+    assert h.sidecars.cancelled == [("prepare", "s0")]
 
 
 def test_a_leaver_whose_worker_died_is_left_to_the_planner_before_the_migration_fails() -> None:
