@@ -1,27 +1,39 @@
 """A standby's sidecar keeps waiting for workers that are alive but slow to start, tries
 again a warm-up that failed, and offers the machine as warm once it is, instead of
-leaving it cold for good."""
+leaving it cold for good; until then it takes no role."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from tests.conftest import register_job, sample_state
-from trainmover.messages import Heartbeat, decode
+from trainmover import bus
+from trainmover.messages import Command, DrainEvent, Heartbeat, decode
 from trainmover.runtime.config import JobConfig
+from trainmover.services.planner.decisions import Planner
 from trainmover.services.sidecar.service import Sidecar, SidecarSettings
 from trainmover.subjects import JobSubjects
 
 WAIT_S = 300.0
 
 
-async def _warms_up(nc: NatsClient, nats_url: str, job: str, run_dir: Path, entry: str) -> None:
-    """A standby s0 running `entry` comes to offer itself warm (the wait fails if not)."""
-    await register_job(nc, job, sample_state(job, standbys=0))
+async def _warms_up(
+    nc: NatsClient,
+    nats_url: str,
+    job: str,
+    run_dir: Path,
+    entry: str,
+    before_warm: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """A standby s0 running `entry` comes to offer itself warm (the wait fails if not);
+    `before_warm` runs once its sidecar started."""
+    await register_job(nc, job, sample_state(job))
     warm = asyncio.Event()
 
     async def on_beat(msg: Msg) -> None:
@@ -42,6 +54,8 @@ async def _warms_up(nc: NatsClient, nats_url: str, job: str, run_dir: Path, entr
     sidecar = Sidecar(settings)
     await sidecar.start()
     try:
+        if before_warm is not None:
+            await before_warm()
         await asyncio.wait_for(warm.wait(), WAIT_S)
     finally:
         await sidecar.stop()
@@ -61,3 +75,27 @@ async def test_a_warm_up_that_failed_is_tried_again(
     await _warms_up(nc, nats_url, job, tmp_path, "tests.sidecar.flaky_warm_worker")
     failed = (tmp_path / "warm_failures").read_text().split()
     assert len(failed) == len(set(failed)) >= 1  # each worker failed once
+
+
+async def test_a_standby_not_warm_yet_refuses_a_role(
+    nc: NatsClient, nats_url: str, job: str, tmp_path: Path
+) -> None:
+    """The job's state still lists s0 as a warm standby (an earlier launch of it): a
+    prepare making it a joiner, sent before its new workers warmed up, is refused."""
+    out = Planner().on_event(sample_state(job), DrainEvent(job=job, machine="m0"), time.time())
+    (plan,) = out.plans
+    assert plan.joiners() == {"s0"}
+
+    async def prepare() -> None:
+        command = Command(
+            job=job,
+            machine="s0",
+            op="prepare",
+            plan_id=plan.plan_id,
+            args={"plan": plan.model_dump_json(), "timeout_s": 5.0},
+        )
+        reply = await bus.request(nc, command, timeout=10.0)
+        assert not reply.ok
+        assert reply.error is not None and "not warm" in reply.error
+
+    await _warms_up(nc, nats_url, job, tmp_path, "tests.sidecar.slow_worker", prepare)
