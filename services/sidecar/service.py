@@ -342,9 +342,10 @@ class Sidecar:
             return self._abort(plan_of(command))
         if op not in WORKER_OPS:
             raise ValueError(f"unsupported op {op!r}")
-        if op == "prepare" and self._status == "standby" and not self._warm_types:
-            # The planner takes only warm standbys: this plan was made for an earlier
-            # launch of this machine (a command retried across its relaunch).
+        if op in ("prepare", "recover") and self._status == "standby" and not self._warm_types:
+            # A standby is told these only as a joiner, and the planner takes only warm
+            # standbys: the plan was made for an earlier launch of this machine (a
+            # command retried across its relaunch).
             raise ValueError(
                 f"{self.machine} is a standby not warm (yet): not the launch this plan was made for"
             )

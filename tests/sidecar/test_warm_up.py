@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 
 from tests.conftest import register_job, sample_state
 from trainmover import bus
-from trainmover.messages import Command, DrainEvent, Heartbeat, decode
+from trainmover.messages import Command, DrainEvent, FailureEvent, Heartbeat, decode
 from trainmover.runtime.config import JobConfig
 from trainmover.services.planner.decisions import Planner
 from trainmover.services.sidecar.service import Sidecar, SidecarSettings
@@ -81,21 +81,25 @@ async def test_a_standby_not_warm_yet_refuses_a_role(
     nc: NatsClient, nats_url: str, job: str, tmp_path: Path
 ) -> None:
     """The job's state still lists s0 as a warm standby (an earlier launch of it): a
-    prepare making it a joiner, sent before its new workers warmed up, is refused."""
-    out = Planner().on_event(sample_state(job), DrainEvent(job=job, machine="m0"), time.time())
-    (plan,) = out.plans
-    assert plan.joiners() == {"s0"}
+    prepare (drain) or recover (failure) making it a joiner, sent before its new workers
+    warmed up, is refused."""
+    plans = {}
+    for op, event in (("prepare", DrainEvent), ("recover", FailureEvent)):
+        out = Planner().on_event(sample_state(job), event(job=job, machine="m0"), time.time())
+        (plans[op],) = out.plans
+        assert plans[op].joiners() == {"s0"}
 
     async def prepare() -> None:
-        command = Command(
-            job=job,
-            machine="s0",
-            op="prepare",
-            plan_id=plan.plan_id,
-            args={"plan": plan.model_dump_json(), "timeout_s": 5.0},
-        )
-        reply = await bus.request(nc, command, timeout=10.0)
-        assert not reply.ok
-        assert reply.error is not None and "not warm" in reply.error
+        for op, plan in plans.items():
+            command = Command(
+                job=job,
+                machine="s0",
+                op=op,
+                plan_id=plan.plan_id,
+                args={"plan": plan.model_dump_json(), "timeout_s": 5.0},
+            )
+            reply = await bus.request(nc, command, timeout=10.0)
+            assert not reply.ok, op
+            assert reply.error is not None and "not warm" in reply.error, reply.error
 
     await _warms_up(nc, nats_url, job, tmp_path, "tests.sidecar.slow_worker", prepare)
