@@ -14,7 +14,6 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -34,7 +33,7 @@ from trainmover.runtime.config import JobConfig, save_config
 from trainmover.security.credentials import NatsAuth, from_file
 from trainmover.security.policy import Component
 from trainmover.stack import MachineWrap, Stack
-from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.subjects import JobSubjects
 
 #: Fast signals for a local cluster: heartbeats every 0.2 s, a machine is dead after 10 s
 #: of silence. A killed machine that trains is reported much sooner by its neighbours'
@@ -167,28 +166,8 @@ class LocalCluster:
     async def wait_state(
         self, predicate: Callable[[ClusterState], bool], timeout: float
     ) -> ClusterState:
-        """Until the planner's cluster state satisfies `predicate`; returns that state.
-        A watch that a server of the bus cluster took with it is set up again."""
-
-        async def watch() -> Any:
-            kv = await bus.job_bucket(self.nc.jetstream(), self.job)
-            return await kv.watch(STATE_KEY)
-
-        async def reached() -> ClusterState:
-            while True:
-                watcher = await bus.through_failover(watch, f"watch the state of {self.job}")
-                try:
-                    async for entry in watcher:
-                        if entry is not None and entry.value:
-                            state = decode(ClusterState, entry.value)
-                            if predicate(state):
-                                return state
-                except bus.BUS_FAILOVER_ERRORS:
-                    pass
-                finally:
-                    await watcher.stop()
-
-        return await asyncio.wait_for(reached(), timeout)
+        """Until the planner's cluster state satisfies `predicate`; returns that state."""
+        return await asyncio.wait_for(bus.state_until(self.nc, self.job, predicate), timeout)
 
     async def wait_standbys_warm(self, timeout: float) -> ClusterState:
         """Until every configured standby is in the pool, warm for some role type: a

@@ -43,6 +43,7 @@ from trainmover.bus.jobs import (
     bucket_keys,
     ensure_job,
     job_bucket,
+    state_until,
 )
 from trainmover.security.denials import PermissionDenied
 
@@ -65,6 +66,7 @@ __all__ = [
     "ensure_job",
     "follow",
     "job_bucket",
+    "state_until",
     "publish",
     "publish_durable",
     "pump",

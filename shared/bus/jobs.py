@@ -8,17 +8,20 @@ bucket's keys.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import StorageType
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from trainmover import replication
-from trainmover.messages import MAX_MESSAGE_BYTES
+from trainmover.bus.durable import BUS_FAILOVER_ERRORS, through_failover
+from trainmover.messages import MAX_MESSAGE_BYTES, ClusterState, decode
 from trainmover.security import denials
-from trainmover.subjects import JobSubjects, kv_stream, kv_subjects
+from trainmover.subjects import STATE_KEY, JobSubjects, kv_stream, kv_subjects
 
 MAX_PAYLOAD = MAX_MESSAGE_BYTES
 """Largest message any service accepts (bytes); larger input is dead-lettered."""
@@ -76,6 +79,31 @@ async def _job_bucket(js: JetStreamContext, job: str, create: bool = False) -> K
     if not create:
         return await js.key_value(bucket)
     return await replication.key_value(js, bucket, history=16)
+
+
+async def state_until(
+    nc: NatsClient, job: str, predicate: Callable[[ClusterState], bool]
+) -> ClusterState:
+    """Until the job's cluster state satisfies `predicate`; returns that state. A watch
+    that a server of the bus cluster took with it is set up again. Unbounded: the caller
+    bounds it."""
+
+    async def watch() -> Any:
+        kv = await job_bucket(nc.jetstream(), job)
+        return await kv.watch(STATE_KEY)
+
+    while True:
+        watcher = await through_failover(watch, f"watch the state of {job}")
+        try:
+            async for entry in watcher:
+                if entry is not None and entry.value:
+                    state = decode(ClusterState, entry.value)
+                    if predicate(state):
+                        return state
+        except BUS_FAILOVER_ERRORS:
+            pass
+        finally:
+            await watcher.stop()
 
 
 async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:

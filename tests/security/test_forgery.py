@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client as NatsClient
@@ -28,7 +28,6 @@ from trainmover.messages import (
     StragglerEvent,
     StragglerEvidence,
     WorkerStatus,
-    decode,
 )
 from trainmover.runtime.config import JobConfig
 from trainmover.services.executor.fencing import fenced_in, to_fence
@@ -40,7 +39,7 @@ from trainmover.services.health_monitor.plausible import (
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.services.planner.decisions import Planner
 from trainmover.services.planner.service import PlannerService
-from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.subjects import JobSubjects
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,22 +75,6 @@ async def planner(nc: NatsClient, job: str) -> AsyncIterator[PlannerService]:
     await service.stop()
 
 
-async def _state_until(
-    nc: NatsClient, job: str, predicate: Callable[[ClusterState], bool]
-) -> ClusterState:
-    kv = await bus.job_bucket(nc.jetstream(), job)
-    watcher = await kv.watch(STATE_KEY)
-    try:
-        async for entry in watcher:
-            if entry is not None and entry.value:
-                state = decode(ClusterState, entry.value)
-                if predicate(state):
-                    return state
-        raise AssertionError("watch ended")
-    finally:
-        await watcher.stop()
-
-
 async def test_heartbeats_do_not_make_members(nc: NatsClient, job: str, planner) -> None:
     s = JobSubjects(job)
     # A machine the job config does not name, and the fenced workers of a failed machine
@@ -99,14 +82,14 @@ async def test_heartbeats_do_not_make_members(nc: NatsClient, job: str, planner)
     await nc.publish(s.heartbeat("ghost"), _beat(job, "ghost", "g1").to_json())
     await nc.publish(s.heartbeat("m2"), _beat(job, "m2", "old").to_json())
     await nc.publish(s.heartbeat("s0"), _beat(job, "s0", "fresh-s0").to_json())
-    state = await asyncio.wait_for(_state_until(nc, job, lambda st: "s0" in st.machines), 30)
+    state = await asyncio.wait_for(bus.state_until(nc, job, lambda st: "s0" in st.machines), 30)
     assert "ghost" not in state.machines
     assert state.machines["m2"].status == "failed"
     assert state.machines["s0"].instance == "fresh-s0"
     # m2 relaunched (a new instance): now it is a standby again.
     await nc.publish(s.heartbeat("m2"), _beat(job, "m2", "new").to_json())
     back = await asyncio.wait_for(
-        _state_until(nc, job, lambda st: st.machines["m2"].status == "standby"), 30
+        bus.state_until(nc, job, lambda st: st.machines["m2"].status == "standby"), 30
     )
     assert back.machines["m2"].instance == "new"
 
