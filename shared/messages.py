@@ -4,72 +4,24 @@ Each message carries `schema_version`; a different version, an unknown `kind`, a
 or extra field, or a value of the wrong type is rejected by `decode` with a one-line
 reason that names the field. docs/schemas/*.json is generated from these models
 (`python -m trainmover.schemas`), so producers in other languages validate against the
-same contract.
+same contract. The base every message is built on is `trainmover.message_base`.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    TypeAdapter,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
+from trainmover.message_base import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
+from trainmover.message_base import SCHEMA_VERSION as SCHEMA_VERSION
+from trainmover.message_base import Message as Message
+from trainmover.message_base import MessageError as MessageError
+from trainmover.message_base import Name as Name
+from trainmover.message_base import new_id as new_id
+from trainmover.message_base import now as now
 from trainmover.runtime.layout import Layout, MachineRole
 from trainmover.runtime.plan import Plan as SwitchPlan
-
-SCHEMA_VERSION = 1
-
-MAX_MESSAGE_BYTES = 1024 * 1024
-"""Largest message `decode` accepts (the bus's max_payload is the same)."""
-
-Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-"""A job or machine name: it becomes a subject token."""
-
-
-def new_id() -> str:
-    """A fresh unique id for an event, plan or command."""
-    return uuid.uuid4().hex
-
-
-def now() -> float:
-    """Wall-clock time as Unix seconds, the unit of every `ts` field."""
-    return time.time()
-
-
-class MessageError(ValueError):
-    """Input that is not a valid message; `str()` is a one-line reason naming the field."""
-
-
-class Message(BaseModel):
-    """Base of every message: strict, closed to unknown fields, versioned."""
-
-    # allow_inf_nan=False: no time, duration or deadline is infinite or NaN, and a NaN
-    # would compare false everywhere (a deadline never due, a straggler never slow).
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
-
-    schema_version: int = SCHEMA_VERSION
-
-    @field_validator("schema_version")
-    @classmethod
-    def _supported_version(cls, value: int) -> int:
-        if value != SCHEMA_VERSION:
-            raise ValueError(
-                f"unsupported schema_version {value} (this build speaks {SCHEMA_VERSION})"
-            )
-        return value
-
-    def to_json(self) -> bytes:
-        return self.model_dump_json().encode()
-
 
 # --- interruption events (health-monitor / client -> planner) ------------------------
 
@@ -154,6 +106,15 @@ class WorkerStatus(Message):
     state: WorkerState
     exit_code: int | None = None
     step: int | None = None
+    # The worker process's CPU, sampled by the sidecar (None where it cannot read it):
+    # they tell a process starved of a CPU from a stopped or cut-off one.
+    cpu_s: float | None = Field(default=None, ge=0, description="CPU seconds used, all threads")
+    cpu_wait_s: float | None = Field(
+        default=None, ge=0, description="seconds its threads waited runnable for a CPU (summed)"
+    )
+    runnable_threads: int | None = Field(
+        default=None, ge=0, description="its threads running or waiting for a CPU when sampled"
+    )
 
 
 class Heartbeat(Message):
@@ -210,6 +171,12 @@ class StallReport(Message):
     epoch: str = Field(max_length=128)
     step: int = Field(ge=0)
     culprits: dict[Name, list[Annotated[int, Field(ge=0)]]] = Field(min_length=1, max_length=64)
+    silent: list[Name] = Field(
+        default_factory=list,
+        max_length=64,
+        description="culprits whose named ranks all missed every beat between the judge's "
+        "two reads: stopped, cut off, or starved of a CPU (their heartbeats tell which)",
+    )
     reason: str = Field(max_length=4096)
     waited_s: float = Field(ge=0)
     median_step_s: float = Field(ge=0)

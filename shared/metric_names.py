@@ -43,6 +43,7 @@ HEALTH: Final = MappingProxyType(
         "trainmover_health_open_incidents": (),
         "trainmover_health_pending_publishes": (),
         "trainmover_health_publish_errors_total": (),
+        "trainmover_health_stalls_excused_total": ("job",),
     }
 )
 

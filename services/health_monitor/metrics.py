@@ -71,6 +71,12 @@ class HealthMetrics:
         self.pending_publishes = r.gauge(
             "trainmover_health_pending_publishes", "Events decided but not yet acked by the bus"
         )
+        self.stalls_excused = r.counter(
+            "trainmover_health_stalls_excused_total",
+            "Machines named silent by a stall report whose heartbeats showed them starved "
+            "of a CPU, not stopped (not declared failed)",
+            ["job"],
+        )
         self.publish_errors = r.counter(
             "trainmover_health_publish_errors_total", "Failed publish attempts (retried)"
         )

@@ -1,7 +1,8 @@
 """The health-monitor's judgement of each signal: heartbeats, step statistics,
 collective-error reports, stall reports and heartbeat lapses become failure or straggler
 events for the planner, or a rejection (an unknown machine, a forged sender, an
-implausible report). No bus here: the service subscribes and hands each decoded message
+implausible report); a machine named silent whose heartbeats show it starved of a CPU is
+excused (`starvation`). No bus here: the service subscribes and hands each decoded message
 in; events go to the Emitter, rejections to the service's dead-letter path.
 """
 
@@ -38,6 +39,7 @@ from trainmover.services.health_monitor.plausible import (
 )
 from trainmover.services.health_monitor.reexamine import reason_to_ask_again
 from trainmover.services.health_monitor.roster import Roster
+from trainmover.services.health_monitor.starvation import CpuEvidence
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.subjects import JobSubjects
 
@@ -60,6 +62,7 @@ class Signals:
         metrics: HealthMetrics,
         emitter: Emitter,
         reject: Reject,
+        cpu: CpuEvidence,
     ) -> None:
         self.settings = settings
         self.roster = roster
@@ -69,6 +72,7 @@ class Signals:
         self.metrics = metrics
         self.emitter = emitter
         self._reject = reject
+        self.cpu = cpu
 
     def _known(self, job: str, machine: str, subject: str, data: bytes, what: str) -> bool:
         """True when the machine is in the job's state; rejects it otherwise."""
@@ -102,6 +106,7 @@ class Signals:
         recovered = self.tracker.beat(job, hb.machine, hb.seq, time.monotonic(), hb.ts)
         if not self._known(job, hb.machine, msg.subject, msg.data, "heartbeat"):
             return
+        self.cpu.observe(job, hb.machine, hb.workers, time.monotonic())
         self.metrics.heartbeats.labels(job=job).inc()
         if not self.tracker.is_watched(job, hb.machine):
             return  # failed / maintenance: already settled, its heartbeats mean nothing
@@ -246,6 +251,18 @@ class Signals:
             self._reject(job, msg.subject, msg.data, problem, "implausible_report", report.machine)
             return
         for culprit in sorted(report.culprits):
+            starved = self._starved(state, culprit, report) if culprit in report.silent else None
+            if starved is not None:
+                log.warning(
+                    "stall_excused",
+                    job=job,
+                    machine=culprit,
+                    reporter=report.machine,
+                    step=report.step,
+                    reason=f"{culprit} is silent but was starved of a CPU, not stopped: {starved}",
+                )
+                self.metrics.stalls_excused.labels(job=job).inc()
+                continue  # the judge judges again at its next threshold
             self._emit(
                 FailureEvent(
                     event_id=event_id(
@@ -258,6 +275,23 @@ class Signals:
                 ),
                 alive_ts=None,
             )
+
+    def _starved(self, state: ClusterState, machine: str, report: StallReport) -> str | None:
+        """How the workers behind `machine`'s silent ranks were starved of a CPU, by its
+        heartbeats; None when they were not (stopped, cut off) or nothing fresh says."""
+        layout, cell = state.layout, state.machines[machine].cell
+        assert cell is not None  # stall_problem: a culprit holds a role
+        ranks = set(report.culprits[machine])
+        local = [
+            i for i, role in enumerate(layout.roles_of(cell)) if layout.global_rank(role) in ranks
+        ]
+        now = time.monotonic()
+        # Local rank 0 carries its machine's entries to the job's store: when it was
+        # starved, its machine's other ranks read silent too.
+        found = self.cpu.starved(state.job, machine, local, now) or self.cpu.starved(
+            state.job, machine, [0], now
+        )
+        return "; ".join(map(str, found)) if found else None
 
     def on_lapse(self, lapse: Lapse) -> None:
         if lapse.last_seen is None:

@@ -285,6 +285,7 @@ class Sidecar:
             epoch=stall.epoch,
             step=stall.step,
             culprits=stall.culprits,
+            silent=stall.silent,
             reason=stall.reason[:4000],
             waited_s=stall.waited_s,
             median_step_s=stall.median_step_s,

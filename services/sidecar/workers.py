@@ -28,6 +28,7 @@ from trainmover.runtime.launcher import ControlServer, WorkerProcess, WorkerStar
 from trainmover.runtime.layout import MachineRole, Role
 from trainmover.runtime.plan import RankRef, group_specs
 from trainmover.runtime.supervisor import RankCommands, RankTracker, stop_processes
+from trainmover.services.sidecar import procstat
 
 Welcome = Callable[[c.Hello], c.Welcome]
 
@@ -194,6 +195,7 @@ class MachineWorkers:
                 state, exit_code = "starting", None
             else:
                 state, exit_code = ("running" if self.cell is not None else "standby"), None
+            cpu = procstat.sample(proc.pid) if code is None else None
             out.append(
                 WorkerStatus(
                     local_rank=ref.local_rank,
@@ -201,6 +203,9 @@ class MachineWorkers:
                     state=state,
                     exit_code=exit_code,
                     step=self.tracker.last_step.get(ref),
+                    cpu_s=cpu.cpu_s if cpu else None,
+                    cpu_wait_s=cpu.cpu_wait_s if cpu else None,
+                    runnable_threads=cpu.runnable_threads if cpu else None,
                 )
             )
         return out

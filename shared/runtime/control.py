@@ -6,9 +6,8 @@ carries an ``id`` and gets exactly one reply carrying ``reply_to``; an event car
 neither. Bodies are the pydantic models below (``type`` is each model's ``TYPE``), so a
 non-Python supervisor can speak it from the JSON Schemas (`schemas()`).
 
-Supervisor -> worker requests: prepare, commit, advance, status, stop (part 1); warm,
-recover, abort (unplanned failures and warm-up).
-Worker -> supervisor: the hello request (answered by welcome) and the events
+Supervisor -> worker requests: prepare, commit, advance, status, stop; warm, recover,
+abort. Worker -> supervisor: the hello request (answered by welcome) and the events
 step, ready, switched, plan_failed, exited; warmed, collective_error, step_aborted.
 """
 
@@ -311,8 +310,10 @@ class StallEvent(Message):
     TYPE: ClassVar[str] = "stall"
     epoch: str
     step: int
-    #: Culprit machine -> its ranks that did not reach the vote.
+    #: Culprit machine -> its ranks that did not reach the vote; `silent`: the culprits
+    #: whose named ranks all missed every beat (stopped, cut off, or starved of a CPU).
     culprits: dict[str, list[int]]
+    silent: list[str] = []
     reason: str
     waited_s: float
     median_step_s: float

@@ -28,7 +28,8 @@ first), so waiting anywhere counts.
 A rank that has not voted for k is
 
 - *silent* when its counter did not move (the whole process is stopped, or cut off
-  from the store): a culprit;
+  from the store): a culprit, unless the health monitor finds in its machine's
+  heartbeats that the process was only starved of a CPU (the report lists it `silent`);
 - *computing* when it is not waiting in a collective (spinning outside any collective,
   stuck in its own code) and past its first step of the epoch, in both reads and at
   the same step: a culprit;
@@ -205,6 +206,13 @@ def judge(
             if (kept := [r for r in ranks if r not in computing])
         }
     return culprits, doing
+
+
+def silent_only(ranks: list[int], doing: dict[int, str]) -> bool:
+    """True when every one of `ranks` is silent: its machine's process may be stopped,
+    cut off, or only starved of a CPU, which the health monitor tells apart from the
+    machine's own heartbeats (the judge cannot see into another machine)."""
+    return all(doing.get(r) == "silent" for r in ranks)
 
 
 class ProgressBoard:
@@ -387,6 +395,7 @@ class ProgressBoard:
             epoch=epoch,
             step=step,
             culprits=culprits,
+            silent=[m for m, ranks in sorted(culprits.items()) if silent_only(ranks, doing)],
             reason=reason,
             waited_s=waited_s,
             median_step_s=median_step_s,

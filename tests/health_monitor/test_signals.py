@@ -4,15 +4,18 @@ monitor running in-process against the real nats-server."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from nats.aio.client import Client as NatsClient
 
 from tests.conftest import register_job, sample_state
+from tests.integration.programs import poll
 from trainmover.messages import (
     CollectiveErrorReport,
     FailureEvent,
     Heartbeat,
     MachineState,
+    StallReport,
     StepStats,
     StragglerEvent,
     WorkerStatus,
@@ -150,6 +153,51 @@ async def test_collective_error_names_the_peer_and_unknown_machines_are_dead_let
     await nc.publish(subjects.collective_error("m0"), ghost_report.to_json())
     await letters.wait_for(lambda d: "unknown machine 'nobody'" in d.reason)
     assert [e.machine for e in events.items] == ["m3"]
+
+
+async def test_a_silent_machine_starved_of_a_cpu_is_excused_and_a_stopped_one_is_not(
+    nc: NatsClient, job: str, monitor: MonitorFactory, heartbeats
+) -> None:
+    state = sample_state(job)
+    await register_job(nc, job, state)
+    events = await events_of(nc, job)
+    beats = heartbeats(ALL)
+
+    def workers(runnable: int) -> list[WorkerStatus]:
+        # Constant CPU time between heartbeats: starved when runnable, stopped when not.
+        return [
+            WorkerStatus(local_rank=r, pid=100 + r, state="running", cpu_s=4.0, cpu_wait_s=1.0,
+                         runnable_threads=runnable)
+            for r in (0, 1)
+        ]  # fmt: skip
+
+    beats.workers.update(m1=workers(1), m2=workers(0), m3=workers(1))
+    hm = await monitor()
+
+    def evidence_in() -> bool | None:
+        now = time.monotonic()
+        return all(hm.signals.cpu.starved(job, m, [0], now) for m in ("m1", "m3")) or None
+
+    await poll(evidence_in, "two heartbeats of m1 and m3 taken in")
+    ranks = {
+        m: sorted(
+            state.layout.global_rank(r) for r in state.layout.roles_of(state.machines[m].cell)
+        )
+        for m in ("m1", "m2", "m3")
+    }
+    for culprit, silent in (("m1", True), ("m2", True), ("m3", False)):
+        report = StallReport(
+            job=job, machine="m0", epoch="e0", step=40, culprits={culprit: ranks[culprit]},
+            silent=[culprit] if silent else [], reason="no progress", waited_s=1.5,
+            median_step_s=0.1,
+        )  # fmt: skip
+        await nc.publish(JobSubjects(job).stall("m0"), report.to_json())
+    # m1 is excused; m2 (stopped) and m3 (starved, but its ranks beat: it computes) are not.
+    await events.wait_count(2)
+    assert sorted(e.machine for e in events.items) == ["m2", "m3"]
+    assert all(isinstance(e, FailureEvent) and e.source == "no_progress" for e in events.items)
+    scraped = await metrics(hm.port)
+    assert scraped[f'trainmover_health_stalls_excused_total{{job="{job}"}}'] == 1
 
 
 async def test_straggler_needs_sustained_slowness(

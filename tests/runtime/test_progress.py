@@ -313,6 +313,7 @@ def test_a_stopped_beacon_is_seen_frozen_on_a_real_store() -> None:
             stall = boards[0].examine("e0", 5, first, waited_s=3.0, median_step_s=0.1)
         assert set(stall.culprits) == {"m1", "m2"}
         assert "silent" in stall.reason and "computing" in stall.reason
+        assert stall.silent == ["m1"]  # the health monitor tells stopped from starved
         assert "did not reach the vote of step 5" in stall.reason
         # One rank judges a step: the first claim wins.
         assert boards[0].claim("e0", 5, 1) and not boards[2].claim("e0", 5, 1)
@@ -367,6 +368,7 @@ def test_a_machine_writes_its_ranks_entries_as_one_and_each_rank_is_still_judged
         stall = verdicts[-1]
         assert stall is not None and stall.culprits == {"m2": [4, 5]}
         assert "computing" in stall.reason
+        assert stall.silent == []  # its local rank 0 computes: not silent as a whole
         # A machine that hands its role over takes its one entry with it.
         boards[3].leave()
         boards[2].leave()
