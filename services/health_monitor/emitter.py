@@ -34,6 +34,12 @@ log = get_logger("health-monitor")
 MonitorEvent = DrainEvent | FailureEvent | StragglerEvent
 Outcome = Literal["emitted", "duplicate"]
 
+#: The longest wait between two tries of an event's publish. A stream electing its
+#: leader refuses at once, many times in a row; the event should go out within this of
+#: the election's end (a failure event holds the job's recovery), and a try refused at
+#: once costs the bus one small request.
+RETRY_CAP_S = 0.25
+
 
 @dataclass
 class _Emit:
@@ -291,7 +297,7 @@ class Emitter:
                     retry_in_s=delay,
                 )
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, RETRY_CAP_S)
         self._pending -= 1
         self._metrics.pending_publishes.set(self._pending)
         log.info(
