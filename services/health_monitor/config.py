@@ -58,6 +58,11 @@ class Settings:
     straggler_retry: float = 30.0
     """Seconds before a straggler the planner turned down may be proposed again (once a
     standby is free, nothing is in flight and its cool-down is over)."""
+    starved_grace: float = 30.0
+    """Seconds a machine named silent is excused while its heartbeats show it starved of
+    a CPU, counted from its first excuse in a step; then its stall is believed (held that
+    long, it holds the job as a hung machine does, and one on another host is not
+    starved)."""
     dedup_window: float = 300.0
     """Seconds an incident absorbs repeats of the same machine and kind."""
     rules: str | None = None
@@ -103,6 +108,7 @@ class Settings:
             "heartbeat_timeout_intervals": self.heartbeat_timeout_intervals,
             "dedup_window": self.dedup_window,
             "straggler_retry": self.straggler_retry,
+            "starved_grace": self.starved_grace,
             "dead_letter_rate": self.dead_letter_rate,
             "publish_timeout": self.publish_timeout,
         }
@@ -223,6 +229,7 @@ def parser() -> argparse.ArgumentParser:
     a("--straggler-steps", type=int, help="consecutive slow steps to flag (10)")
     a("--straggler-window", type=int, help="steps per machine median (20)")
     a("--straggler-retry", type=float, metavar="S", help="re-propose a rejected straggler (30)")
+    a("--starved-grace", type=float, metavar="S", help="excuse a starved silent machine (30)")
     a("--dedup-window", type=float, metavar="S", help="incident dedup window (300)")
     a("--rules", metavar="FILE", help="alert rules file (YAML or TOML)")
     a("--http-host", help="webhook/metrics listen address (0.0.0.0)")

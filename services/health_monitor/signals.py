@@ -39,7 +39,7 @@ from trainmover.services.health_monitor.plausible import (
 )
 from trainmover.services.health_monitor.reexamine import reason_to_ask_again
 from trainmover.services.health_monitor.roster import Roster
-from trainmover.services.health_monitor.starvation import CpuEvidence
+from trainmover.services.health_monitor.starvation import CpuEvidence, Excuses
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.subjects import JobSubjects
 
@@ -73,6 +73,7 @@ class Signals:
         self.emitter = emitter
         self._reject = reject
         self.cpu = cpu
+        self.excuses = Excuses()
 
     def _known(self, job: str, machine: str, subject: str, data: bytes, what: str) -> bool:
         """True when the machine is in the job's state; rejects it otherwise."""
@@ -250,19 +251,24 @@ class Signals:
         if problem is not None:
             self._reject(job, msg.subject, msg.data, problem, "implausible_report", report.machine)
             return
+        now = time.monotonic()
         for culprit in sorted(report.culprits):
+            reason = report.reason
             starved = self._starved(state, culprit, report) if culprit in report.silent else None
             if starved is not None:
-                log.warning(
-                    "stall_excused",
-                    job=job,
-                    machine=culprit,
-                    reporter=report.machine,
-                    step=report.step,
-                    reason=f"{culprit} is silent but was starved of a CPU, not stopped: {starved}",
-                )
-                self.metrics.stalls_excused.labels(job=job).inc()
-                continue  # the judge judges again at its next threshold
+                held = self.excuses.held(job, culprit, report.epoch, report.step, now)
+                if held < self.settings.starved_grace:
+                    log.warning(
+                        "stall_excused",
+                        job=job,
+                        machine=culprit,
+                        reporter=report.machine,
+                        step=report.step,
+                        reason=f"{culprit} is silent but starved of a CPU, not stopped: {starved}",
+                    )
+                    self.metrics.stalls_excused.labels(job=job).inc()
+                    continue  # the judge judges again at its next threshold
+                reason += f"; starved of a CPU for {held:.0f}s, past the grace: {starved}"
             self._emit(
                 FailureEvent(
                     event_id=event_id(
@@ -270,7 +276,7 @@ class Signals:
                     ),
                     job=job,
                     machine=culprit,
-                    reason=f"{report.reason} (reported by {report.machine})"[:4096],
+                    reason=f"{reason} (reported by {report.machine})"[:4096],
                     source="no_progress",
                 ),
                 alive_ts=None,

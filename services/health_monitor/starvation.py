@@ -11,6 +11,10 @@ time, or when some were runnable and it ran less than `RAN` of it. A stopped pro
 no runnable thread and waits for nothing; a process cut off sleeps on its sockets; one
 spinning in native code with the interpreter's lock held uses its CPU: none is starved.
 
+A machine is excused for `--starved-grace` seconds (`Excuses`) from its first excuse in
+the step it holds back; past them its stall is believed: a machine that gets no CPU for
+that long holds the job as a hung one does, and one on another host would not be starved.
+
 Evidence counts only while fresh: the worker's last heartbeat arrived within `fresh_s`
 (two heartbeat intervals, `FRESH_S` at least) before the judgement (a machine cut off sends none, and the verdict is believed; its
 heartbeats' lapse names it too).
@@ -118,3 +122,18 @@ class CpuEvidence:
     def forget(self, job: str, machine: str) -> None:
         for key in [k for k in self._readings if k[:2] == (job, machine)]:
             del self._readings[key]
+
+
+@dataclass
+class Excuses:
+    """Since when each machine has been excused in the step it holds back."""
+
+    _first: dict[tuple[str, str], tuple[str, int, float]] = field(default_factory=dict)
+
+    def held(self, job: str, machine: str, epoch: str, step: int, now: float) -> float:
+        """Seconds since `machine` was first excused in (`epoch`, `step`), counting this
+        excuse; 0 for the first one (another step, or epoch, starts the count again)."""
+        first = self._first.get((job, machine))
+        if first is None or first[:2] != (epoch, step):
+            first = self._first[(job, machine)] = (epoch, step, now)
+        return now - first[2]

@@ -172,7 +172,8 @@ async def test_a_silent_machine_starved_of_a_cpu_is_excused_and_a_stopped_one_is
         ]  # fmt: skip
 
     beats.workers.update(m1=workers(1), m2=workers(0), m3=workers(1))
-    hm = await monitor()
+    grace = 0.5
+    hm = await monitor("--starved-grace", str(grace))
 
     def evidence_in() -> bool | None:
         now = time.monotonic()
@@ -185,19 +186,30 @@ async def test_a_silent_machine_starved_of_a_cpu_is_excused_and_a_stopped_one_is
         )
         for m in ("m1", "m2", "m3")
     }
-    for culprit, silent in (("m1", True), ("m2", True), ("m3", False)):
+
+    async def stall(culprit: str, silent: bool) -> None:
         report = StallReport(
             job=job, machine="m0", epoch="e0", step=40, culprits={culprit: ranks[culprit]},
             silent=[culprit] if silent else [], reason="no progress", waited_s=1.5,
             median_step_s=0.1,
         )  # fmt: skip
         await nc.publish(JobSubjects(job).stall("m0"), report.to_json())
+
+    for culprit, silent in (("m1", True), ("m2", True), ("m3", False)):
+        await stall(culprit, silent)
+    excused_at = time.monotonic()
     # m1 is excused; m2 (stopped) and m3 (starved, but its ranks beat: it computes) are not.
     await events.wait_count(2)
     assert sorted(e.machine for e in events.items) == ["m2", "m3"]
     assert all(isinstance(e, FailureEvent) and e.source == "no_progress" for e in events.items)
     scraped = await metrics(hm.port)
     assert scraped[f'trainmover_health_stalls_excused_total{{job="{job}"}}'] == 1
+
+    # Still silent and starved in the same step once the grace is over: believed.
+    await asyncio.sleep(max(0.0, excused_at + grace - time.monotonic()))  # the grace
+    await stall("m1", True)
+    event = await events.wait_for(is_event("m1", source="no_progress"))
+    assert "starved of a CPU" in event.reason and "past the grace" in event.reason
 
 
 async def test_straggler_needs_sustained_slowness(

@@ -14,7 +14,12 @@ from collections.abc import Iterator
 import pytest
 
 from trainmover.messages import WorkerStatus
-from trainmover.services.health_monitor.starvation import CpuEvidence, CpuReading, starved
+from trainmover.services.health_monitor.starvation import (
+    CpuEvidence,
+    CpuReading,
+    Excuses,
+    starved,
+)
 from trainmover.services.sidecar import procstat
 
 
@@ -60,6 +65,18 @@ def test_evidence_speaks_only_fresh_and_only_when_every_asked_worker_was_starved
     assert ev.starved("j", "m1", [0], now=11.0) is None
     ev.forget("j", "m1")
     assert ev.starved("j", "m1", [1], now=11.0) is None
+
+
+def test_an_excuse_is_counted_from_the_first_in_the_step_a_machine_holds_back() -> None:
+    excuses = Excuses()
+    assert excuses.held("j", "m1", "e0", 40, now=100.0) == 0.0
+    assert excuses.held("j", "m2", "e0", 40, now=105.0) == 0.0  # each machine its own
+    assert excuses.held("j", "m1", "e0", 40, now=112.5) == 12.5
+    # The step moved on (it was starved, not hung): the next hold starts afresh.
+    assert excuses.held("j", "m1", "e0", 41, now=130.0) == 0.0
+    assert excuses.held("j", "m1", "e0", 41, now=131.0) == 1.0
+    # So does a recovery's new epoch, at the same step.
+    assert excuses.held("j", "m1", "e1", 41, now=140.0) == 0.0
 
 
 # --- the sidecar's readings of real processes --------------------------------------------
