@@ -145,6 +145,9 @@ class StepStats(Message):
     step: int = Field(ge=0)
     compute_s: float = Field(ge=0)
     queued_s: float = Field(default=0.0, ge=0)
+    vote_s: float = Field(
+        default=0.0, ge=0, description="the step's commit vote, its wait for the slowest rank in"
+    )
     ts: float = Field(default_factory=now)
 
 

@@ -39,7 +39,6 @@ from trainmover.services.health_monitor.plausible import (
 from trainmover.services.health_monitor.roster import Roster, RosterChange
 from trainmover.services.health_monitor.rules import load_rules
 from trainmover.services.health_monitor.signals import Signals
-from trainmover.services.health_monitor.starvation import FRESH_S, CpuEvidence
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.services.health_monitor.webhook import WebhookHandler
 from trainmover.subjects import STATE_KEY, JobSubjects
@@ -115,7 +114,6 @@ class HealthMonitor:
             self.metrics,
             self.emitter,
             self._reject,
-            CpuEvidence(fresh_s=max(2 * s.heartbeat_interval, FRESH_S)),
         )
         for job in s.jobs:
             subjects = JobSubjects(job)

@@ -39,7 +39,7 @@ from trainmover.services.health_monitor.plausible import (
 )
 from trainmover.services.health_monitor.reexamine import reason_to_ask_again
 from trainmover.services.health_monitor.roster import Roster
-from trainmover.services.health_monitor.starvation import CpuEvidence, Excuses
+from trainmover.services.health_monitor.starvation import FRESH_S, CpuEvidence, Excuses
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.subjects import JobSubjects
 
@@ -62,7 +62,6 @@ class Signals:
         metrics: HealthMetrics,
         emitter: Emitter,
         reject: Reject,
-        cpu: CpuEvidence,
     ) -> None:
         self.settings = settings
         self.roster = roster
@@ -72,7 +71,7 @@ class Signals:
         self.metrics = metrics
         self.emitter = emitter
         self._reject = reject
-        self.cpu = cpu
+        self.cpu = CpuEvidence(fresh_s=max(2 * settings.heartbeat_interval, FRESH_S))
         self.excuses = Excuses()
 
     def _known(self, job: str, machine: str, subject: str, data: bytes, what: str) -> bool:

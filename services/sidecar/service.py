@@ -305,6 +305,7 @@ class Sidecar:
             step=done.step,
             compute_s=compute,
             queued_s=done.queued_s,
+            vote_s=done.vote_s,
             ts=done.t_end,  # when the step ended, not when this loop got to it
         )
         self._publish_soon(self._subjects.stats(self.machine), stats.to_json())

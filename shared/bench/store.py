@@ -21,6 +21,8 @@ beside the job's median step from (a).
 (c) The progress board at the largest size: every rank's beacon for a few seconds, each
 rank writing its entry to the job's store, then folded per machine; the job's store's
 CPU per second, and at 1,024 ranks the writes per second and their CPU as calibrated.
+(d) The vote inside the reference job at the largest size (`trainmover.bench.store_job`):
+its share of that job's step, measured in it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from trainmover.bench import plot
+from trainmover.bench import plot, store_job
 from trainmover.bench.report import Progress, Result, markdown_table, outputs, ratio, summary
 from trainmover.localcluster import LocalCluster
 from trainmover.runtime.config import JobConfig
@@ -78,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks per machine of the per-machine vote (default 4; divides every size)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="rounds per mode and size")
+    parser.add_argument(
+        "--job-steps", type=int, default=200, help="steps of the job measured in (d) (200)"
+    )
     parser.add_argument("--run-dir", type=Path, help="where the job runs (default: temp)")
 
 
@@ -377,7 +382,7 @@ def _projection(rows: list[dict[str, Any]], mode: str, per_voter_ms: float) -> d
 
 def main(args: argparse.Namespace) -> int:
     sizes = args.ranks.split(",")
-    progress = Progress("store", args.kills + args.rounds * len(sizes) * len(MODES) + 2)
+    progress = Progress("store", args.kills + args.rounds * len(sizes) * len(MODES) + 3)
     losses = asyncio.run(_losses(args, progress))
     votes = _votes(args, progress)
     step_ms = 1e3 * losses["median_step_s"]
@@ -388,6 +393,14 @@ def main(args: argparse.Namespace) -> int:
         f"the progress board at {board['ranks']} ranks: the job's store "
         f"{board['per_rank']['store_cpu_ms_per_s']:.1f} ms of CPU per second per rank, "
         f"{board['per_machine']['store_cpu_ms_per_s']:.1f} folded per machine"
+    )
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-bench-store-"))
+    in_job = store_job.run(
+        votes[-1]["ranks"], args.local_ranks, args.job_steps, run_dir / "in-job", progress
+    )
+    progress.step(
+        f"the reference job at {in_job['ranks']} ranks: vote {in_job['vote_ms']:.2f} ms of its "
+        f"{in_job['median_step_ms']:.1f} ms step ({100 * in_job['share_of_step']:.1f}%)"
     )
     projection = {m: _projection(votes, m, per_voter_ms) for m in MODES}
     for row in votes:
@@ -400,6 +413,7 @@ def main(args: argparse.Namespace) -> int:
     result.set("votes", votes)
     result.set("projection", projection)
     result.set("board", board)
+    result.set("in_job", in_job)
     # The runtime votes per machine wherever a machine has several ranks.
     largest, projected = votes[-1], projection["machines"]
     result.set(
@@ -409,6 +423,8 @@ def main(args: argparse.Namespace) -> int:
             "lost_met": losses["lost_s_max"] <= 2.0,
             "vote_share_at_largest": largest["machines_share_of_step"],
             "vote_share_met": largest["machines_share_of_step"] <= 0.05,
+            "vote_share_in_job": in_job["share_of_step"],
+            "vote_share_in_job_met": in_job["share_of_step"] <= 0.05,
             "projected_share_at_1024": projected["at_1024_ms"] / step_ms,
             "projected_met": projected["at_1024_ms"] / step_ms <= 0.10,
         },
@@ -446,6 +462,12 @@ def main(args: argparse.Namespace) -> int:
         f"{board['at_1024_ms_per_s'][way]:.0f} ms of its CPU per second"
         for way in ("per_rank", "per_machine")
     ]
+    lines.append(
+        f"in the reference job at {in_job['ranks']} ranks ({in_job['local_ranks']} per machine):"
+        f" the vote {in_job['vote_ms']:.3f} ms (median over {in_job['steps']} steps of the "
+        f"smallest vote over the machines), {100 * in_job['share_of_step']:.1f}% of its "
+        f"{in_job['median_step_ms']:.1f} ms median step"
+    )
     text = f"{loss_table}\n\n{vote_table}\n\nprojected:\n" + "\n".join(lines) + "\n"
     md, png = outputs(path)
     md.write_text(text)

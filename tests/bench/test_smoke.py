@@ -143,12 +143,13 @@ def test_scale(tmp_path: Path) -> None:
 def test_store(tmp_path: Path) -> None:
     out = tmp_path / "store.json"
     args = ["store", "--json", str(out), "--kills", "1", "--ranks", "2,4", "--steps", "12",
-            "--rounds", "1", "--local-ranks", "2"]  # fmt: skip
+            "--rounds", "1", "--local-ranks", "2", "--job-steps", "10"]  # fmt: skip
     assert bench_main(args) == 0
     data = check_outputs(out)
     check_keys(data, ["loss.lost_s_median", "loss.median_step_s", "projection.machines.at_1024_ms",
                       "projection.trainmover.store_cpu_ms_per_voter",
-                      "goals.vote_share_at_largest", "goals.projected_share_at_1024"])  # fmt: skip
+                      "goals.vote_share_at_largest", "goals.projected_share_at_1024",
+                      "goals.vote_share_in_job"])  # fmt: skip
     (loss,) = data["loss"]["rows"]
     assert loss["new_incarnation"] and loss["failures_declared"] == 0
     assert [r["ranks"] for r in data["votes"]] == [2, 4]
@@ -159,6 +160,10 @@ def test_store(tmp_path: Path) -> None:
         assert row["machines_voters"] == row["ranks"] // 2
         assert row["trainmover_voters"] == row["ranks"]
     assert data["projection"]["machines"]["voters_at_1024"] == 1024 // 8
+    # The vote inside the reference job at the largest size: 2 machines of 2 ranks.
+    in_job = data["in_job"]
+    assert in_job["ranks"] == 4 and in_job["layout"]["tp"] == 2 and in_job["steps"] >= 9
+    assert 0 < in_job["vote_ms"] < in_job["median_step_ms"]
     # The progress board's beacons at the largest size, per rank and folded per machine
     # (their CPU above an idle store's is within this host's noise at 4 ranks).
     board = data["board"]
