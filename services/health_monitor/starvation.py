@@ -16,8 +16,10 @@ the step it holds back; past them its stall is believed: a machine that gets no 
 that long holds the job as a hung one does, and one on another host would not be starved.
 
 Evidence counts only while fresh: the worker's last heartbeat arrived within `fresh_s`
-(two heartbeat intervals, `FRESH_S` at least) before the judgement (a machine cut off sends none, and the verdict is believed; its
-heartbeats' lapse names it too).
+(two heartbeat intervals, `FRESH_S` at least) before the judgement (a machine cut off
+sends none, and the verdict is believed; its heartbeats' lapse names it too). Both live
+in memory: a restarted monitor reads the evidence again from the next two heartbeats,
+and a machine's grace starts again.
 """
 
 from __future__ import annotations
