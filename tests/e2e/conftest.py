@@ -11,6 +11,7 @@ without any migration, to that step, for the bit-exact check.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 
 from trainmover.localcluster import LocalCluster
 from trainmover.localjob import LocalJob
-from trainmover.messages import MigrationProgress
+from trainmover.messages import FailureEvent, MigrationProgress
 from trainmover.runtime.compare import state_files
 from trainmover.runtime.config import JobConfig
 
@@ -132,3 +133,21 @@ async def progress_reaches(cluster: LocalCluster, event_id: str, state: str) -> 
     """The progress of `event_id` in `state`, from the start of the job's history."""
     async with cluster.client.watch(cluster.job, from_start=True) as items:
         return await next_progress(items, event_id, state)
+
+
+@contextlib.asynccontextmanager
+async def failures_of(cluster: LocalCluster) -> AsyncIterator[list[FailureEvent]]:
+    """The job's failure events while inside, as they come."""
+    failures: list[FailureEvent] = []
+    async with cluster.client.watch(cluster.job) as items:
+
+        async def collect() -> None:
+            async for item in items:
+                if isinstance(item, FailureEvent):
+                    failures.append(item)
+
+        collector = asyncio.create_task(collect())
+        try:
+            yield failures
+        finally:
+            collector.cancel()

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.e2e.conftest import LONG, WAIT_S
+from tests.e2e.conftest import LONG, WAIT_S, failures_of
 from trainmover import bus
 from trainmover.localcluster import LocalCluster as Cluster
 from trainmover.messages import Command, FailureEvent
@@ -41,28 +41,17 @@ async def test_frozen_stuck_and_blocked_machines_are_named_and_moved(
     await cluster.wait_step("m1", 10, WAIT_S)
     await cluster.wait_standbys_warm(WAIT_S)
     pids = await cluster.worker_pids("m1", WAIT_S)
-    async with cluster.client.watch(cluster.job) as items:
-        failures: list[FailureEvent] = []
+    async with failures_of(cluster) as failures:
+        # The control case: everyone slower alike for a while names nobody.
+        await _slow_all(cluster, 0.3)
+        now = max(cluster.steps.values())
+        await cluster.wait_step("m0", now + 8, WAIT_S)
+        await _slow_all(cluster, 0.0)
+        assert failures == []
 
-        async def collect() -> None:
-            async for item in items:
-                if isinstance(item, FailureEvent):
-                    failures.append(item)
-
-        collector = asyncio.create_task(collect())
-        try:
-            # The control case: everyone slower alike for a while names nobody.
-            await _slow_all(cluster, 0.3)
-            now = max(cluster.steps.values())
-            await cluster.wait_step("m0", now + 8, WAIT_S)
-            await _slow_all(cluster, 0.0)
-            assert failures == []
-
-            for pid in pids:
-                os.kill(pid, signal.SIGSTOP)
-            state = await cluster.wait_state(lambda s: bool(s.in_flight), WAIT_S)
-        finally:
-            collector.cancel()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        state = await cluster.wait_state(lambda s: bool(s.in_flight), WAIT_S)
     (plan,) = state.in_flight.values()
     assert plan.migration == "unplanned" and [m.leaver for m in plan.moves] == ["m1"]
     (event,) = [f for f in failures if f.machine == "m1"]

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import CONFIG, WAIT_S
+from tests.e2e.conftest import CONFIG, WAIT_S, failures_of
 from trainmover.localcluster import LocalCluster
-from trainmover.messages import FailureEvent
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
 
@@ -83,25 +82,14 @@ async def test_a_machine_starved_of_a_cpu_is_excused_not_moved(
         await cluster.wait_step("m1", 10, WAIT_S)
         await cluster.wait_standbys_warm(WAIT_S)
         pids = await cluster.worker_pids("m1", WAIT_S)
-        failures: list[FailureEvent] = []
-        async with cluster.client.watch(cluster.job) as items:
-
-            async def collect() -> None:
-                async for item in items:
-                    if isinstance(item, FailureEvent):
-                        failures.append(item)
-
-            collector = asyncio.create_task(collect())
-            try:
-                with _throttled(pids):
-                    async with asyncio.timeout(120):
-                        # A log file has no change event to await.
-                        while _excused(logs / "health-monitor.log", "m1") == 0:  # noqa: ASYNC110
-                            await asyncio.sleep(0.2)
-                now = max(cluster.steps.values())
-                await cluster.wait_step("m1", now + 5, WAIT_S)
-            finally:
-                collector.cancel()
+        async with failures_of(cluster) as failures:
+            with _throttled(pids):
+                async with asyncio.timeout(120):
+                    # A log file has no change event to await.
+                    while _excused(logs / "health-monitor.log", "m1") == 0:  # noqa: ASYNC110
+                        await asyncio.sleep(0.2)
+            now = max(cluster.steps.values())
+            await cluster.wait_step("m1", now + 5, WAIT_S)
         assert failures == [], failures
         state = await cluster.wait_state(lambda s: not s.in_flight, WAIT_S)
         assert state.machines["m1"].status == "active"
