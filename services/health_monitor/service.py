@@ -236,6 +236,8 @@ class HealthMonitor:
             self.tracker.unwatch(job, machine)
             self.stragglers.forget(job, machine)
             self.steps.forget(job, machine)
+            if self.signals is not None:
+                self.signals.forget(job, machine)
             self.emitter.settle(
                 job, machine, f"machine is now {self.roster.status(job, machine) or 'removed'}"
             )

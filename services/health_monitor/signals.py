@@ -74,6 +74,11 @@ class Signals:
         self.cpu = CpuEvidence(fresh_s=max(2 * settings.heartbeat_interval, FRESH_S))
         self.excuses = Excuses()
 
+    def forget(self, job: str, machine: str) -> None:
+        """Drops what the starvation checks kept of a machine the planner settled."""
+        self.cpu.forget(job, machine)
+        self.excuses.forget(job, machine)
+
     def _known(self, job: str, machine: str, subject: str, data: bytes, what: str) -> bool:
         """True when the machine is in the job's state; rejects it otherwise."""
         if not self.roster.loaded(job):

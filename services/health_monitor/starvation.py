@@ -122,6 +122,7 @@ class CpuEvidence:
         return found or None
 
     def forget(self, job: str, machine: str) -> None:
+        """Drops a machine's readings (it left the watched machines)."""
         for key in [k for k in self._readings if k[:2] == (job, machine)]:
             del self._readings[key]
 
@@ -139,3 +140,6 @@ class Excuses:
         if first is None or first[:2] != (epoch, step):
             first = self._first[(job, machine)] = (epoch, step, now)
         return now - first[2]
+
+    def forget(self, job: str, machine: str) -> None:
+        self._first.pop((job, machine), None)

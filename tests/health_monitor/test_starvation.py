@@ -63,8 +63,11 @@ def test_evidence_speaks_only_fresh_and_only_when_every_asked_worker_was_starved
     # A worker whose heartbeat stops carrying readings (exited, unreadable) says nothing.
     ev.observe("j", "m1", [WorkerStatus(local_rank=0, pid=7, state="exited", exit_code=1)], 10.9)
     assert ev.starved("j", "m1", [0], now=11.0) is None
-    ev.forget("j", "m1")
-    assert ev.starved("j", "m1", [1], now=11.0) is None
+    ev.observe("j", "m1", [worker(1, 3.0, 1.0, 1)], at=11.0)
+    ev.observe("j", "m1", [worker(1, 3.0, 1.0, 1)], at=11.5)
+    assert ev.starved("j", "m1", [1], now=11.6) is not None
+    ev.forget("j", "m1")  # settled by the planner (failed, in maintenance, removed)
+    assert ev.starved("j", "m1", [1], now=11.6) is None
 
 
 def test_an_excuse_is_counted_from_the_first_in_the_step_a_machine_holds_back() -> None:
@@ -77,6 +80,9 @@ def test_an_excuse_is_counted_from_the_first_in_the_step_a_machine_holds_back() 
     assert excuses.held("j", "m1", "e0", 41, now=131.0) == 1.0
     # So does a recovery's new epoch, at the same step.
     assert excuses.held("j", "m1", "e1", 41, now=140.0) == 0.0
+    excuses.held("j", "m1", "e1", 41, now=141.0)
+    excuses.forget("j", "m1")  # settled: back later as another machine's excuse
+    assert excuses.held("j", "m1", "e1", 41, now=150.0) == 0.0
 
 
 # --- the sidecar's readings of real processes --------------------------------------------
