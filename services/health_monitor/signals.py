@@ -258,7 +258,8 @@ class Signals:
         now = time.monotonic()
         for culprit in sorted(report.culprits):
             reason = report.reason
-            starved = self._starved(state, culprit, report) if culprit in report.silent else None
+            silent = culprit in report.silent
+            starved = self._starved(state, culprit, report, now) if silent else None
             if starved is not None:
                 held = self.excuses.held(job, culprit, report.epoch, report.step, now)
                 if held < self.settings.starved_grace:
@@ -286,7 +287,9 @@ class Signals:
                 alive_ts=None,
             )
 
-    def _starved(self, state: ClusterState, machine: str, report: StallReport) -> str | None:
+    def _starved(
+        self, state: ClusterState, machine: str, report: StallReport, now: float
+    ) -> str | None:
         """How the workers behind `machine`'s silent ranks were starved of a CPU, by its
         heartbeats; None when they were not (stopped, cut off) or nothing fresh says."""
         layout, cell = state.layout, state.machines[machine].cell
@@ -295,7 +298,6 @@ class Signals:
         local = [
             i for i, role in enumerate(layout.roles_of(cell)) if layout.global_rank(role) in ranks
         ]
-        now = time.monotonic()
         # Local rank 0 carries its machine's entries to the job's store: when it was
         # starved, its machine's other ranks read silent too.
         found = self.cpu.starved(state.job, machine, local, now) or self.cpu.starved(
