@@ -25,6 +25,7 @@ after a switch), so a broken migration shows at the first dump after it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,19 @@ class Run:
 
     def state_file(self, role_key: str, step: int) -> Path:
         return self.run_dir / "state" / f"{role_key}.step{step}.pt"
+
+
+def worker_events(log: Path, event: str) -> list[dict]:
+    """The structured entries named `event` in a worker's log file. The file also holds
+    what native code writes to the worker's stderr (c10d's warnings), which is not JSON."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        entry = json.loads(line)
+        if entry.get("event") == event:
+            found.append(entry)
+    return found
 
 
 @pytest.fixture(scope="session")

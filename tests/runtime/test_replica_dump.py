@@ -14,7 +14,7 @@ import pytest
 
 from trainmover.localjob import LocalJob
 
-from .conftest import DP2, WAIT_S
+from .conftest import DP2, WAIT_S, worker_events
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,7 +36,7 @@ def test_the_step_a_joiner_took_from_a_replica_is_saved_by_the_leaver_only(
     killed_at = json.loads((tmp_path / "faults.jsonl").read_text().splitlines()[0])["t"]
     saved = (tmp_path / "state" / f"d1p0t0.step{DUMP}.pt").stat().st_mtime
     assert saved <= killed_at  # the leaver's, written before it died
-    joiner_log = [json.loads(line) for line in (tmp_path / "logs" / f"{joiner}-0.log").open()]
-    skipped = [e["step"] for e in joiner_log if e.get("event") == "dump_skipped"]
+    joiner_log = tmp_path / "logs" / f"{joiner}-0.log"
+    skipped = [e["step"] for e in worker_events(joiner_log, "dump_skipped")]
     assert skipped == [DUMP]
     assert (tmp_path / "state" / f"d1p0t0.step{STEPS}.pt").exists()  # trained on, saved

@@ -6,7 +6,6 @@ are bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from trainmover.runtime import control as c
 from trainmover.runtime.plan import RankRef
 from trainmover.runtime.state import load_saved
 
-from .conftest import DP2, WAIT_S
+from .conftest import DP2, WAIT_S, worker_events
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,11 +32,6 @@ def _wait_passed(job: LocalJob, ref: RankRef, step: int) -> None:
     while job.commands.status([ref])[ref].passed < step:
         assert time.monotonic() < deadline, f"{ref} never passed step {step}"
         time.sleep(0.05)
-
-
-def _events(log: Path, name: str) -> list[dict[str, object]]:
-    entries = (json.loads(line) for line in log.open())
-    return [e for e in entries if e.get("event") == name]
 
 
 def test_a_commit_one_committer_refused_switches_nobody_and_a_later_one_moves(
@@ -77,7 +71,7 @@ def test_a_commit_one_committer_refused_switches_nobody_and_a_later_one_moves(
 
     assert {e.step for e in switched.values()} == {LATER}
     for name in ("m0-0", f"{joiner}-0"):
-        dropped = _events(run / "logs" / f"{name}.log", "switch_dropped")
+        dropped = worker_events(run / "logs" / f"{name}.log", "switch_dropped")
         assert [e["step"] for e in dropped] == [K], name
     for role in ("d0p0t0", "d1p0t0"):
         ours = load_saved(run / "state" / f"{role}.step{STEPS}.pt")

@@ -12,7 +12,6 @@ migrated too: no rank of it builds one.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,8 @@ import pytest
 from tests.examples.test_ddp import CONFIG as DDP_CONFIG
 from tests.examples.test_ddp import Run, assert_bit_identical
 from trainmover.localjob import LocalJob
+
+from .conftest import worker_events
 
 ENTRY = "tests.runtime.world_entry"
 STEPS = 10
@@ -41,9 +42,8 @@ def world_events(run_dir: Path, event: str = "world_built") -> dict[str, list[st
     found: dict[str, list[str]] = {}
     for log in sorted((run_dir / "logs").glob("*-0.log")):
         machine = log.name.removesuffix("-0.log")
-        for line in log.read_text().splitlines():
-            if line.startswith("{") and f'"{event}"' in line:
-                found.setdefault(machine, []).append(json.loads(line)["group"])
+        for entry in worker_events(log, event):
+            found.setdefault(machine, []).append(entry["group"])
     return found
 
 
