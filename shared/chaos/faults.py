@@ -62,9 +62,6 @@ def default_kinds(nats_cluster: int) -> tuple[str, ...]:
     return FAULT_KINDS if nats_cluster >= 3 else SINGLE_SERVER_KINDS
 
 
-#: Faults whose recovery takes a warm standby from the pool.
-NEEDS_STANDBY = frozenset(FAULT_KINDS) - {"nats_restart", "nats_node_kill", "store_kill"}
-
 TERMINAL = ("done", "failed", "aborted", "rejected")
 
 

@@ -71,8 +71,11 @@ class FaultRecord:
     stall_s: float | None = None
     #: How much longer than before the fault the job's steps in that window waited for a
     #: CPU (`Observer.queued_extra`): near `lost_s` with a short `stall_s`, the steps were
-    #: slowed by other processes on the cores (on one host: the bus servers' own restart).
+    #: slowed by other processes on the cores (on one host: a leaver warming up as a
+    #: standby again, or the bus servers' own restart).
     queued_extra_s: float | None = None
+    #: Warm standbys in the pool when the fault was injected (the soak waits for all).
+    warm_standbys: int | None = None
     migration_downtime_s: list[float] = field(default_factory=list)
     migrations: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)

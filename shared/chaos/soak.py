@@ -2,8 +2,10 @@
 
 For a fixed wall time and at most N faults, the soak injects a random (seeded, printed)
 sequence of faults (trainmover.chaos.faults) into a TP2 x PP2 x DP2 job that trains until
-it is stopped. After each fault it waits for recovery (the planner settled, the fault's
-machines gone from the layout, killed machines restarted as fresh standbys) and checks:
+it is stopped, each into a settled job (every standby warm, nothing in flight), so that
+the training time a fault costs is its own. After each fault it waits for recovery (the
+planner settled, the fault's machines gone from the layout, killed machines restarted as
+fresh standbys) and checks:
 
 - the job trains: every active machine goes past the step the job was at;
 - at the next dump step every rank saved that step and data-parallel replicas are
@@ -29,7 +31,6 @@ from pathlib import Path
 
 from trainmover.chaos.faults import (
     INJECTORS,
-    NEEDS_STANDBY,
     FaultContext,
     Injection,
 )
@@ -179,10 +180,15 @@ class Soak:
                 kind = self.s.kinds[index % len(self.s.kinds)]
             else:
                 kind = self.rng.choice(self.s.kinds)
-            if kind in NEEDS_STANDBY:
-                await obs.until(
-                    lambda: self._pool_ready(ctx, 1), self.s.recovery_timeout_s, "a warm standby"
-                )
+            # Every fault starts from a settled job: the whole pool warm, nothing in flight.
+            # The training time it costs is then its own, not the warm-up of a machine an
+            # earlier fault sent back to the pool (on a shared host, that takes CPU from
+            # training too).
+            await obs.until(
+                lambda: self._pool_ready(ctx, self.s.standbys),
+                self.s.recovery_timeout_s,
+                "a settled job with a warm pool",
+            )
             index += 1
             record = await self._one(ctx, index, kind, t0)
             self.report.faults.append(record)
@@ -202,6 +208,7 @@ class Soak:
         start_step = before[1]
         progress_before = len(obs.progress)
         record = FaultRecord(index, kind, None, "", round(t_inject - t0, 1), start_step)
+        record.warm_standbys = _warm_standbys(await obs.state())
         try:
             injection = await INJECTORS[kind](ctx)
             record.target, record.detail = injection.target, injection.detail
@@ -248,8 +255,7 @@ class Soak:
 
     async def _pool_ready(self, ctx: FaultContext, n: int) -> bool:
         state = await self._settle_returning(ctx)
-        warm = [m for m in state.machines.values() if m.status == "standby" and m.warm_role_types]
-        return len(warm) >= n and not state.in_flight and not state.queued
+        return _warm_standbys(state) >= n and not state.in_flight and not state.queued
 
     async def _settle_returning(self, ctx: FaultContext) -> ClusterState:
         """Restarts killed machines the planner let go; forgets machines back in the pool."""
@@ -406,6 +412,10 @@ class Soak:
             f"compared {len(steps)} dump steps with the reference: "
             + ("bit-identical" if self.report.bitexact else f"{len(differences)} differences")
         )
+
+
+def _warm_standbys(state: ClusterState) -> int:
+    return sum(1 for m in state.machines.values() if m.status == "standby" and m.warm_role_types)
 
 
 def main(settings: SoakSettings, json_path: str | None) -> int:
