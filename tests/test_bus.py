@@ -262,3 +262,30 @@ def test_an_outage_of_failing_fetches_is_logged_once_with_its_length() -> None:
     ]
     recovered = next(e for e in logged if e["event"] == "fetch_recovered")
     assert recovered["failures"] == 20 and recovered["after_s"] == 4.0
+
+
+async def test_an_unanswered_attempt_is_given_up_and_sent_again() -> None:
+    """A request to a server still catching up after its restart can go unanswered for
+    the client's whole timeout; with `attempt_s` it is sent again instead."""
+    attempts: list[str] = []
+    cancelled = asyncio.Event()
+
+    async def read() -> str:
+        attempts.append("sent")
+        if len(attempts) == 1:
+            try:
+                await asyncio.Event().wait()  # never answered
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        return "the record"
+
+    got = await bus.through_failover(read, "a record", deadline_s=30, attempt_s=0.05)
+    assert got == "the record" and len(attempts) == 2
+    assert cancelled.is_set()
+    # Without an attempt bound the same read waits on its first attempt.
+    attempts.clear()
+    waiting = asyncio.create_task(bus.through_failover(read, "a record", deadline_s=30))
+    done, _ = await asyncio.wait({waiting}, timeout=0.5)
+    assert not done and attempts == ["sent"]
+    waiting.cancel()

@@ -172,10 +172,7 @@ class ExecutorService:
             await msg.ack()
             return
         key = f"migration.{plan.plan_id}"
-        try:
-            entry = await self._kv.get(key)
-        except KeyNotFoundError:
-            entry = None
+        entry = await self._stored_record(key)
         if entry is not None and entry.value:
             # Redelivered: its record was stored, but the ack did not reach the server (the
             # handler failed there and bus.pump had the plan sent again). Not a duplicate
@@ -184,7 +181,7 @@ class ExecutorService:
             await self._pick_up(decode(MigrationRecord, entry.value), self._known_in_flight(plan))
             return
         record = MigrationRecord(plan=plan, groups_total=self.groups_total)
-        await self._kv.put(key, record.to_json())
+        await self._save(record)
         await msg.ack()
         log.info(
             "plan_accepted",
@@ -195,6 +192,20 @@ class ExecutorService:
             moves=[(m.leaver, m.joiner) for m in plan.moves],
         )
         await self._pick_up(record, self._known_in_flight(plan))
+
+    async def _stored_record(self, key: str) -> KeyValue.Entry | None:
+        """The migration record under `key`, or None. A plan waits on this read and on
+        the record's first write: each attempt is short (`bus.ATTEMPT_S`)."""
+        kv = self._kv
+        assert kv is not None
+
+        async def read() -> KeyValue.Entry | None:
+            try:
+                return await kv.get(key)
+            except KeyNotFoundError:
+                return None
+
+        return await bus.through_failover(read, key, attempt_s=bus.ATTEMPT_S)
 
     def _known_in_flight(self, plan: Plan) -> set[str] | None:
         """The planner's in-flight plans, where they can tell whether `plan` was withdrawn:
@@ -399,16 +410,22 @@ class ExecutorService:
 
     async def _survivors(self) -> list[str]:
         """The machines that keep their roles: active in the planner's cluster state."""
-        state_kv = await bus.job_bucket(self._js, self.job)
-        entry = await state_kv.get(STATE_KEY)
-        assert entry.value is not None
-        return role_holders(decode(ClusterState, entry.value))
+
+        async def read() -> ClusterState:
+            entry = await (await bus.job_bucket(self._js, self.job)).get(STATE_KEY)
+            assert entry.value is not None
+            return decode(ClusterState, entry.value)
+
+        state = await bus.through_failover(read, STATE_KEY, attempt_s=bus.ATTEMPT_S)
+        return role_holders(state)
 
     async def _save(self, record: MigrationRecord) -> None:
         kv = self._kv
         assert kv is not None
         key = f"migration.{record.plan.plan_id}"
-        await bus.through_failover(lambda: kv.put(key, record.to_json()), key)
+        await bus.through_failover(
+            lambda: kv.put(key, record.to_json()), key, attempt_s=bus.ATTEMPT_S
+        )
 
     async def _publish(self, progress: MigrationProgress) -> None:
         payload = progress.to_json()

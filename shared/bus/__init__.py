@@ -28,6 +28,7 @@ from trainmover.bus.connection import (
     subscribe,
 )
 from trainmover.bus.durable import (
+    ATTEMPT_S,
     BUS_FAILOVER_ERRORS,
     DEAD_LETTER_KEEP,
     FAILOVER_S,
@@ -48,6 +49,7 @@ from trainmover.bus.jobs import (
 from trainmover.security.denials import PermissionDenied
 
 __all__ = [
+    "ATTEMPT_S",
     "BUS_FAILOVER_ERRORS",
     "DEAD_LETTER_KEEP",
     "DUPLICATE_WINDOW_S",

@@ -175,19 +175,33 @@ BUS_FAILOVER_ERRORS = (NatsTimeout, NoStreamResponseError, ServiceUnavailableErr
 """What a JetStream request raises while a stream's leader is being elected."""
 
 
+ATTEMPT_S = 1.0
+"""How long one attempt of a short write or read on the migration path may take: a
+request sent to a server of the cluster that is catching up after its restart can go
+unanswered for the client's whole timeout (5 s), while the same request sent again is
+answered at once by another."""
+
+
 async def through_failover(
-    write: Callable[[], Awaitable[T]], what: str, deadline_s: float = FAILOVER_S
+    write: Callable[[], Awaitable[T]],
+    what: str,
+    deadline_s: float = FAILOVER_S,
+    attempt_s: float | None = None,
 ) -> T:
     """Runs the idempotent `write` (a key-value put, a deduplicated publish, or a read),
     again while the stream has no leader or its answer was lost (a server of the cluster
-    died), for up to `deadline_s`; then raises the last error."""
+    died), for up to `deadline_s`; then raises the last error. With `attempt_s`, an
+    attempt not answered within it is given up and tried again (for requests that are
+    small and answered within milliseconds when the bus is well)."""
     give_up = time.monotonic() + deadline_s
     attempt = 0
     while True:
         attempt += 1
         try:
-            return await write()
-        except BUS_FAILOVER_ERRORS as err:
+            if attempt_s is None:
+                return await write()
+            return await asyncio.wait_for(write(), attempt_s)
+        except (*BUS_FAILOVER_ERRORS, TimeoutError) as err:
             if time.monotonic() >= give_up:
                 raise
             log.info("bus_retry", what=what, attempt=attempt, error=repr(err))
