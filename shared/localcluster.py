@@ -28,7 +28,7 @@ from trainmover.messages import (
     StepStats,
     decode,
 )
-from trainmover.runtime.compare import mismatches, state_files
+from trainmover.runtime.compare import mismatches, skipped_roles, state_files
 from trainmover.runtime.config import JobConfig, save_config
 from trainmover.security.credentials import NatsAuth, from_file
 from trainmover.security.policy import Component
@@ -275,4 +275,5 @@ class LocalCluster:
         """Differences between this run's saved states after `step` (by default the
         job's last) and `reference`'s."""
         step = self.config.train.steps if step is None else step
-        return mismatches(state_files(self.stack.run_dir, step), reference)
+        run = self.stack.run_dir
+        return mismatches(state_files(run, step), reference, skipped_roles(run, step))

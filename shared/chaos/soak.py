@@ -49,7 +49,7 @@ from trainmover.localcluster import FAST_SIGNALS, LocalCluster
 from trainmover.localjob import LocalJob
 from trainmover.logs import get_logger
 from trainmover.messages import ClusterState
-from trainmover.runtime.compare import mismatches, state_files
+from trainmover.runtime.compare import mismatches, skipped_roles, state_files
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.layout import Layout
 
@@ -403,7 +403,11 @@ class Soak:
         for step in steps:
             differences += [
                 f"step {step}: {d}"
-                for d in mismatches(state_files(self._run_dir, step), state_files(ref_dir, step))
+                for d in mismatches(
+                    state_files(self._run_dir, step),
+                    state_files(ref_dir, step),
+                    skipped_roles(self._run_dir, step),
+                )
             ]
         self.report.compared_steps = steps
         self.report.bitexact = not differences and final in steps
