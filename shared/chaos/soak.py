@@ -165,11 +165,7 @@ class Soak:
     async def _soak(self, ctx: FaultContext, t0: float) -> None:
         obs = ctx.observer
         say("waiting for the job to train and the standbys to warm up")
-        await obs.until(
-            lambda: self._pool_ready(ctx, self.s.standbys),
-            self.s.recovery_timeout_s,
-            "a warm standby pool",
-        )
+        await self._until_settled(ctx, "a warm standby pool")
         await obs.until(self._trains_from(obs, 5), self.s.recovery_timeout_s, "step 5")
         # The soak's wall time counts from the first fault, not from the cluster's start.
         first = time.monotonic()
@@ -184,11 +180,7 @@ class Soak:
             # The training time it costs is then its own, not the warm-up of a machine an
             # earlier fault sent back to the pool (on a shared host, that takes CPU from
             # training too).
-            await obs.until(
-                lambda: self._pool_ready(ctx, self.s.standbys),
-                self.s.recovery_timeout_s,
-                "a settled job with a warm pool",
-            )
+            await self._until_settled(ctx, "a settled job with a warm pool")
             index += 1
             record = await self._one(ctx, index, kind, t0)
             self.report.faults.append(record)
@@ -253,9 +245,15 @@ class Soak:
             await asyncio.to_thread(servers.wait_ready)
             log.info("bus_node_restarted", node=servers.name(index))
 
-    async def _pool_ready(self, ctx: FaultContext, n: int) -> bool:
-        state = await self._settle_returning(ctx)
-        return _warm_standbys(state) >= n and not state.in_flight and not state.queued
+    async def _until_settled(self, ctx: FaultContext, what: str) -> None:
+        """Until every standby of the pool is warm and nothing is in flight or queued."""
+
+        async def settled() -> bool:
+            state = await self._settle_returning(ctx)
+            warm = _warm_standbys(state) >= self.s.standbys
+            return warm and not state.in_flight and not state.queued
+
+        await ctx.observer.until(settled, self.s.recovery_timeout_s, what)
 
     async def _settle_returning(self, ctx: FaultContext) -> ClusterState:
         """Restarts killed machines the planner let go; forgets machines back in the pool."""
