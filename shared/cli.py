@@ -145,6 +145,7 @@ async def _up(args: argparse.Namespace) -> int:
         nats_cluster=args.nats_cluster,
         rules=args.rules,
         store_replicas=args.store_replicas,
+        store_shards=args.store_shards,
     ) as stack:
         print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
         if stack.operator_creds is not None:
@@ -298,6 +299,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run the rendezvous store as N rendezvous services, one serving and the others "
         "standing by (default: one store in this process)",
+    )
+    u.add_argument(
+        "--store-shards",
+        type=int,
+        default=0,
+        metavar="N",
+        help="count the per-step commit vote in N stores beside the rendezvous store "
+        "(each replica hosts them): for jobs of many machines (docs/runtime.md)",
     )
     u.add_argument(
         "--status-port", type=int, default=0, help="port of the status page (default: a free one)"

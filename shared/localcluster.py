@@ -62,6 +62,7 @@ class LocalCluster:
         host: str = "127.0.0.1",
         machine_wrap: MachineWrap | None = None,
         store_replicas: int = 0,
+        store_shards: int = 0,
     ) -> None:
         self.config = config
         self.job = config.job
@@ -79,6 +80,7 @@ class LocalCluster:
             host=host,
             machine_wrap=machine_wrap,
             store_replicas=store_replicas,
+            store_shards=store_shards,
         )
         self.steps: dict[str, int] = {}
         #: machine -> step -> when its sidecar stamped that step's statistics (a step

@@ -70,6 +70,7 @@ SERVICE_FLAGS: Final = MappingProxyType(
             "--store-port",  # RENDEZVOUS_PORT
             "--replicas",  # every replica of the store, as the sidecars name them
             "--replica-index",  # this replica's place among them
+            "--store-shards",  # stores of the commit vote on the ports after --store-port
         },
     }
 )

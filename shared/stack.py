@@ -7,8 +7,10 @@
   ever talk over the bus; one that dies is restarted (each resumes from durable state);
 - with a job config, the local cluster: the rendezvous store (hosted here, never on a
   training machine; with `store_replicas` N, N rendezvous service processes, one
-  serving and the others standing by, restarted like the services) and one sidecar process per machine and standby, each in its own
-  process group so that `kill_machine` takes a whole machine down like a power cut.
+  serving and the others standing by, restarted like the services; with `store_shards`
+  S, each hosts S stores of the commit vote beside it) and one sidecar process per
+  machine and standby, each in its own process group so that `kill_machine` takes a
+  whole machine down like a power cut.
 
 With `auth`, the stack generates per-component credentials and a nats-server config
 (trainmover.security) into `<store>/auth/`, runs the embedded server with it, and gives
@@ -24,7 +26,6 @@ import importlib
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import cast
 
+from trainmover.freeports import free_port_block, free_ports
 from trainmover.logs import get_logger
 from trainmover.natscluster import EmbeddedNatsCluster
 from trainmover.natsserver import EmbeddedNats, resolve_url
@@ -45,18 +47,6 @@ log = get_logger("stack")
 
 #: Name prefix of the store's replica processes ("rendezvous-0", ...).
 REPLICA = "rendezvous-"
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct ports free on `host` now."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 # Start order: consumers before producers, so nothing published at start is missed.
@@ -113,13 +103,16 @@ class Stack:
         host: str = "127.0.0.1",
         machine_wrap: MachineWrap | None = None,
         store_replicas: int = 0,
+        store_shards: int = 0,
     ) -> None:
         if store_replicas < 0:
             raise ValueError(f"--store-replicas {store_replicas}: not a number of replicas")
+        if store_shards < 0:
+            raise ValueError(f"--store-shards {store_shards}: not a number of shards")
         self.host = host
         #: Replicas of the rendezvous store, each a rendezvous service process of its
-        #: own (0: one store hosted in this process).
-        self.store_replicas = store_replicas
+        #: own (0: one store hosted in this process), and the shards each hosts.
+        self.store_replicas, self.store_shards = store_replicas, store_shards
         self._replica_ports: list[int] = []
         self._machine_wrap = machine_wrap
         self._given_url = resolve_url(nats_url)
@@ -297,6 +290,7 @@ class Stack:
             sys.executable, "-m", "trainmover.cli", "service", "rendezvous",
             "--store-host", self.host, "--http-port", "0",
             "--replicas", self.rendezvous_address, "--replica-index", str(index),
+            "--store-shards", str(self.store_shards),
         ]  # fmt: skip
 
     def serving_replica(self) -> tuple[str, str]:
@@ -344,7 +338,7 @@ class Stack:
         else:
             from trainmover.runtime.rendezvous import RendezvousHost
 
-            host = await asyncio.to_thread(RendezvousHost, self.host)
+            host = await asyncio.to_thread(RendezvousHost, self.host, shards=self.store_shards)
             self._rendezvous = host
             self.rendezvous_address = host.address
         for machine in [*config.cluster.machines, *config.cluster.standbys]:
@@ -355,7 +349,12 @@ class Stack:
         comes back where the sidecars look for it); returns once one serves."""
         from trainmover.runtime.storeclient import Store, StoreLost
 
-        self._replica_ports = free_ports(self.store_replicas, self.host)
+        if self.store_shards:  # each replica's shards on the ports after its own
+            per = 1 + self.store_shards
+            base = free_port_block(per * self.store_replicas, self.host)
+            self._replica_ports = [base + i * per for i in range(self.store_replicas)]
+        else:
+            self._replica_ports = free_ports(self.store_replicas, self.host)
         self.rendezvous_address = ",".join(f"{self.host}:{p}" for p in self._replica_ports)
         names = [f"{REPLICA}{i}" for i in range(self.store_replicas)]
         for name in names:

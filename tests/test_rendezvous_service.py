@@ -58,7 +58,7 @@ async def test_two_torch_processes_rendezvous_through_the_service(tmp_path: Path
     port_file = tmp_path / "http.port"
     argv = _cli(
         "service", "rendezvous", "--store-port", "0", "--http-port", "0",
-        "--port-file", str(port_file),
+        "--port-file", str(port_file), "--store-shards", "2",
     )  # fmt: skip
     service = Program("rendezvous", argv, tmp_path).start()
     try:
@@ -72,9 +72,10 @@ async def test_two_torch_processes_rendezvous_through_the_service(tmp_path: Path
 
         health = await poll(healthy, "the rendezvous service to be healthy", timeout=120)
         address = f"127.0.0.1:{health['store_port']}"
-        # One key: the replica's role (alone, it serves).
-        assert health["store"] == address and health["keys"] == 1
+        # Two keys: the replica's role (alone, it serves) and its shards' addresses.
+        assert health["store"] == address and health["keys"] == 2
         assert health["role"] == "serving"
+        assert len(set(health["shards"])) == 2 and address not in health["shards"]
 
         for code, out, err in await asyncio.to_thread(run_ranks, address):
             assert code == 0, err
@@ -111,12 +112,14 @@ def test_bad_flags_are_one_line_errors() -> None:
     assert helped.returncode == 0 and "--store-port" in helped.stdout
 
 
-def test_bad_replica_flags_name_the_cause() -> None:
+def test_bad_replica_and_shard_flags_name_the_cause() -> None:
     cases = {
         ("--replicas", "a:1,b:2", "--replica-index", "2"): "--replica-index 2: --replicas names 2",
         ("--replicas", "a:1,b:x"): "not HOST:PORT",
         ("--replicas", "a:1,b:2", "--store-port", "7"): "names port 1 for replica 0",
         ("--replica-index", "1"): "--replica-index needs --replicas",
+        ("--store-shards", "-1"): "--store-shards -1: not a number of shards",
+        ("--store-port", "65535", "--store-shards", "2"): "the ports after 65535 run out",
     }
     for flags, message in cases.items():
         run = subprocess.run(
@@ -126,7 +129,7 @@ def test_bad_replica_flags_name_the_cause() -> None:
 
 
 async def test_a_standby_replica_serves_when_the_serving_one_is_killed(tmp_path: Path) -> None:
-    from trainmover.stack import free_ports
+    from trainmover.freeports import free_ports
 
     stores = free_ports(2)
     address = ",".join(f"127.0.0.1:{p}" for p in stores)

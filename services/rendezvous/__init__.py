@@ -64,10 +64,26 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
         metavar="I",
         help="this replica's place in --replicas (0: the first)",
     )
+    p.add_argument(
+        "--store-shards",
+        type=int,
+        default=0,
+        metavar="N",
+        help="host N more stores for the per-step commit vote, on the N ports after "
+        "--store-port (each replica alike); for jobs of many machines (docs/runtime.md)",
+    )
     args = parse(p, argv, needs_bus=False)
     if args.store_port is not None and not 0 <= args.store_port <= 65535:
         raise SettingsError(f"--store-port {args.store_port}: not a port")
     args.peers = _peers(args)
+    if args.store_shards < 0:
+        raise SettingsError(f"--store-shards {args.store_shards}: not a number of shards")
+    if args.store_shards and args.store_port and args.store_port + args.store_shards > 65535:
+        raise SettingsError(
+            f"--store-shards {args.store_shards}: the ports after {args.store_port} run out"
+        )
+    if args.store_shards and args.peers and not args.store_port:
+        raise SettingsError("--store-shards with --replicas needs fixed ports (not 0)")
     return args
 
 

@@ -53,6 +53,7 @@ class RendezvousService:
             advertise,
             a.peers,
             a.replica_index,
+            a.store_shards,
         )
         self._host = host
         self._http = await serve_observability(self.metrics, self.health, a.http_host, a.http_port)
@@ -64,6 +65,7 @@ class RendezvousService:
             role=host.role,
             incarnation=host.incarnation,
             replicas=len(a.peers) + 1,
+            shards=host.shards,
         )
         if a.peers:
             self._watch = asyncio.create_task(self._follow(host))
@@ -92,6 +94,7 @@ class RendezvousService:
             "incarnation": self._host.incarnation,
             "store": self._host.address,
             "store_port": self._host.port,
+            "shards": self._host.shards,
             "keys": keys,
             "uptime_s": round(time.time() - self._started, 1),
         }

@@ -40,24 +40,25 @@ from typing import Any
 
 import numpy as np
 
-from trainmover.bench import plot, store_job
+from trainmover.bench import plot, store_job, store_projection
 from trainmover.bench.report import Progress, Result, markdown_table, outputs, ratio, summary
+from trainmover.bench.store_projection import PROJECTED_LOCAL, PROJECTED_RANKS, VOTER_REQUESTS
 from trainmover.localcluster import LocalCluster
 from trainmover.runtime.config import JobConfig
 from trainmover.runtime.progress import INTERVAL_S
 
 WAIT_S = 600.0
-MODES = ("machines", "trainmover", "tcpstore")
+MODES = ("machines", "trainmover", "sharded", "tcpstore")
+#: Shards of the job's store in the `sharded` mode.
+SHARDS = 2
 MODE_NAMES = {
     "machines": "TrainMover, a voter per machine",
     "trainmover": "TrainMover, a voter per rank",
+    "sharded": f"TrainMover, a voter per rank, {SHARDS} store shards",
     "tcpstore": "bare TCPStore, a voter per rank",
 }
 #: Votes of a round's start left out (processes starting at different times).
 WARMUP = 5
-PROJECTED_RANKS = 1024
-#: Ranks per machine of the projected job (GPUs per machine).
-PROJECTED_LOCAL = 8
 CONFIG = JobConfig(job="storeloss").with_updates(
     layout={"tp": 1},
     train={"steps": 100_000},
@@ -191,7 +192,7 @@ def _ranks(
     store per machine of `local` ranks); `voters` is their WORLD argument where it is
     not `world`, `more` their last arguments. Returns each one's spans (`WARMUP` left out of a vote round's), and the
     job's and the machines' store hosts' CPU samples."""
-    job = _Host("job")
+    job = _Host(f"job:{SHARDS}" if mode == "sharded" else "job")
     machines = _Host(str(world // local)) if folded else None
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -258,10 +259,6 @@ def _idle_cpu_per_s() -> float:
     t0, c0 = samples[len(samples) // 10]  # its start-up left out
     t1, c1 = samples[-1]
     return (c1 - c0) / (t1 - t0)
-
-
-#: Requests of one voter's share of a step in the job's store (add, wait, read).
-VOTER_REQUESTS = 3
 
 
 def _board(world: int, local: int, per_voter_ms: float) -> dict[str, Any]:
@@ -358,28 +355,6 @@ def _votes(args: argparse.Namespace, progress: Progress) -> list[dict[str, Any]]
     return rows
 
 
-def _projection(rows: list[dict[str, Any]], mode: str, per_voter_ms: float) -> dict[str, float]:
-    """The vote at PROJECTED_RANKS ranks on machines of PROJECTED_LOCAL: the smallest
-    round's vote (its few voters' round trips), plus the job's store's CPU per voter
-    (calibrated) for each further voter: the store serves the voters one after the
-    other. Beside it, the old reading: the vote's wall time fitted against the ranks on
-    this host (where 16 processes share 2 cores)."""
-    projected_voters = PROJECTED_RANKS // (PROJECTED_LOCAL if mode == "machines" else 1)
-    base = rows[0]
-    at = base[f"{mode}_vote_ms"] + per_voter_ms * (projected_voters - base[f"{mode}_voters"])
-    x = np.array([r["ranks"] for r in rows], dtype=float)
-    y = np.array([r[f"{mode}_vote_ms"] for r in rows])
-    b, a = np.polyfit(x, y, 1) if len(rows) > 1 else (0.0, float(y[0]))
-    return {
-        "store_cpu_ms_per_voter": per_voter_ms,
-        "voters_at_1024": projected_voters,
-        "at_1024_ms": float(at),
-        "wall_fit_a_ms": float(a),
-        "wall_fit_b_ms_per_rank": float(b),
-        "wall_fit_at_1024_ms": float(a + b * PROJECTED_RANKS),
-    }
-
-
 def main(args: argparse.Namespace) -> int:
     sizes = args.ranks.split(",")
     progress = Progress("store", args.kills + args.rounds * len(sizes) * len(MODES) + 3)
@@ -402,7 +377,8 @@ def main(args: argparse.Namespace) -> int:
         f"the reference job at {in_job['ranks']} ranks: vote {in_job['vote_ms']:.2f} ms of its "
         f"{in_job['median_step_ms']:.1f} ms step ({100 * in_job['share_of_step']:.1f}%)"
     )
-    projection = {m: _projection(votes, m, per_voter_ms) for m in MODES}
+    projection = {m: store_projection.flat(votes, m, per_voter_ms) for m in MODES}
+    with_shards = store_projection.sharded(votes, per_voter_ms)
     for row in votes:
         for mode in MODES:
             row[f"{mode}_share_of_step"] = row[f"{mode}_vote_ms"] / step_ms
@@ -412,6 +388,7 @@ def main(args: argparse.Namespace) -> int:
     result.set("loss", losses)
     result.set("votes", votes)
     result.set("projection", projection)
+    result.set("projection_sharded", with_shards)
     result.set("board", board)
     result.set("in_job", in_job)
     # The runtime votes per machine wherever a machine has several ranks.
@@ -426,7 +403,8 @@ def main(args: argparse.Namespace) -> int:
             "vote_share_in_job": in_job["share_of_step"],
             "vote_share_in_job_met": in_job["share_of_step"] <= 0.05,
             "projected_share_at_1024": projected["at_1024_ms"] / step_ms,
-            "projected_met": projected["at_1024_ms"] / step_ms <= 0.10,
+            "projected_share_at_1024_sharded": with_shards["at_1024_ms"] / step_ms,
+            "projected_met": with_shards["at_1024_ms"] / step_ms <= 0.10,
         },
     )
     path = result.write(args.json)
@@ -454,6 +432,14 @@ def main(args: argparse.Namespace) -> int:
         f"(wall-time fit on this host: {p['wall_fit_at_1024_ms']:.1f} ms)"
         for m, p in projection.items()
     ]
+    lines.append(
+        f"{MODE_NAMES['machines']}, {with_shards['shards_at_1024']} store shards: "
+        f"{with_shards['at_1024_ms']:.1f} ms at {PROJECTED_RANKS} ranks "
+        f"({with_shards['serial_requests_at_1024']} requests on its busiest path against "
+        f"{with_shards['flat_requests_at_1024']} without shards; the shards' level "
+        f"{with_shards['level_ms']:.3f} ms at {votes[0]['ranks']} ranks), "
+        f"{100 * with_shards['at_1024_ms'] / step_ms:.1f}% of the job's median step"
+    )
     lines += [
         f"progress board, {way.replace('_', ' ')}: {board[way]['store_cpu_ms_per_s']:.1f} ms "
         f"of the job's store's CPU per second at {board['ranks']} ranks (above its idle "

@@ -6,7 +6,8 @@ store) and prints each vote's start and end as JSON.
 
 MODE `trainmover`: the runtime's own commit agreement (`CommitAgreement`: a counted
 decision of the failover client, its watcher thread), every rank a voter in the job's
-store. MODE `machines`: the same agreement with one voter per machine: the rank counts
+store (MODE `sharded`: the same on a store with shards, `trainmover.runtime.shardvote`).
+MODE `machines`: the same agreement with one voter per machine: the rank counts
 its vote in its machine's store (address MACHINE) with the machine's other LOCAL ranks
 (`trainmover.runtime.machinevote`). MODE `tcpstore`: the flat vote on a bare TCPStore
 client, as the runtime made it before the store had replicas (one add, the last voter's
@@ -16,9 +17,9 @@ prints the span in which it beat. MODE `calibrate`: one process plays WORLD
 voters' requests to the job's store (`calibrate_votes`; RANK tags its keys, and the
 last argument counts the clients that start together).
 
-    python -m trainmover.bench.store_worker host job|MACHINES
+    python -m trainmover.bench.store_worker host job[:SHARDS]|MACHINES
 
-hosts the job's store (a rendezvous replica), or MACHINES machine stores (as their
+hosts the job's store (a rendezvous replica, with SHARDS shards), or MACHINES machine stores (as their
 sidecars would), prints the address(es) as JSON, keeps them until its stdin closes, then
 prints its CPU time sampled meanwhile: what the stores' serving cost, apart from the
 voters' and the bench's own processes, over any window of the votes.
@@ -54,10 +55,10 @@ Span = tuple[float, float]
 
 
 def trainmover_votes(
-    address: str, world: int, steps: int, machine: MachineTally | None = None
+    address: str, world: int, steps: int, rank: int, machine: MachineTally | None = None
 ) -> list[Span]:
     agreement = CommitAgreement(
-        address, "bench", world, AbortSignal("e0"), 0, TIMEOUT_S, machine=machine
+        address, "bench", world, AbortSignal("e0"), 0, TIMEOUT_S, machine=machine, rank=rank
     )
     spans = []
     for step in range(1, steps + 1):
@@ -147,8 +148,9 @@ def board_beats(address: str, rank: int, world: int, seconds: float, machine: li
 
 
 def host(what: str) -> None:
-    if what == "job":
-        stores: list[Any] = [RendezvousHost()]
+    if what.startswith("job"):
+        _, _, shards = what.partition(":")
+        stores: list[Any] = [RendezvousHost(shards=int(shards or 0))]
         addresses: str | list[str] = stores[0].address
     else:
         stores = [MachineStore() for _ in range(int(what))]
@@ -182,11 +184,11 @@ def main(argv: list[str]) -> int:
         machine_address, local = machine
         local_rank = int(rank) % int(local)
         tally = MachineTally(machine_address, local_rank, int(local), TIMEOUT_S)
-        spans = trainmover_votes(address, int(world), int(steps), tally)
+        spans = trainmover_votes(address, int(world), int(steps), int(rank), tally)
     elif mode == "calibrate":
         spans = calibrate_votes(address, int(world), int(steps), rank, int(machine[0]))
-    elif mode == "trainmover":
-        spans = trainmover_votes(address, int(world), int(steps))
+    elif mode in ("trainmover", "sharded"):  # the store names its shards, or none
+        spans = trainmover_votes(address, int(world), int(steps), int(rank))
     else:
         spans = tcpstore_votes(address, int(world), int(steps))
     print(json.dumps(spans), flush=True)

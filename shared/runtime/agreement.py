@@ -24,7 +24,9 @@ the next one, which this rank will then never vote for).
 With a machine store (`trainmover.runtime.machinevote`), the voters in the job's store
 are machines, not ranks: the last of a machine's ranks to arrive casts its machine's
 vote (threshold: the machines), and local rank 0's watcher relays each decision into the
-machine's store, where its other ranks watch it.
+machine's store, where its other ranks watch it. Where the job's store has shards
+(`trainmover.runtime.shardvote`), the voters count in their shard and each full shard
+votes in the job's store, which still makes every decision.
 
 The vote is a counted decision of `trainmover.runtime.storeclient`: when the store's
 serving replica is lost, each rank re-casts the decisions it saw and its votes into the
@@ -42,7 +44,8 @@ from datetime import timedelta
 
 from trainmover.runtime.abort import AbortSignal, StepAborted
 from trainmover.runtime.machinevote import MachineTally
-from trainmover.runtime.storeclient import Store
+from trainmover.runtime.shardvote import ShardVote, shard_addresses
+from trainmover.runtime.storeclient import ROLE_KEY, Store
 
 COMMIT = "commit"
 ABORT = "abort"
@@ -65,12 +68,15 @@ class CommitAgreement:
         committed: int,
         timeout_s: float,
         machine: MachineTally | None = None,
+        rank: int = 0,
     ):
-        """`machine`: this rank's machine tally, where its machine votes as one."""
+        """`machine`: this rank's machine tally, where its machine votes as one; `rank`:
+        this rank's place in the job (a machine's ranks are consecutive)."""
         self.job, self.world, self.signal = job, world, signal
         self._machine = machine
-        #: Voters in the job's store: the machines, or every rank.
+        #: Voters of the step: the machines, or every rank.
         self.voters = world // machine.local_world if machine is not None else world
+        voter = rank // machine.local_world if machine is not None else rank
         self.timeout_s = timeout_s
         self.epoch = signal.epoch
         #: Last step this rank applied (the decision was "commit").
@@ -90,6 +96,20 @@ class CommitAgreement:
         self._verdicts: dict[tuple[str, int], str] = {}
         self._closed = False
         self._watch_store = Store(store_address, timeout_s)
+        shards = shard_addresses(self._vote)
+        self._watch_store.check([ROLE_KEY])  # connected now, not in the first step's burst
+        #: This rank's shard of the job's store, where it has shards.
+        self.shard = (
+            ShardVote(
+                shards,
+                voter,
+                self.voters,
+                timeout_s,
+                relays=machine is None or machine.relays,
+            )
+            if shards
+            else None
+        )
         threading.Thread(target=self._watch, name="commit-watcher", daemon=True).start()
 
     def key(self, epoch: str, step: int, what: str) -> str:
@@ -113,6 +133,8 @@ class CommitAgreement:
             for what in ("votes", "decision"):
                 self._vote.delete_key(self.key(epoch, step - 1, what))
         self._vote.forget(self.key(epoch, step - 2, ""))
+        if self.shard is not None:
+            self.shard.forget(self.key(epoch, step - 2, ""))
         verdict = self._await_verdict(epoch, step, started)
         if verdict is None:  # a rank never voted and nobody noticed: give up on the step
             self.abort(f"commit vote of step {step} not decided in {self.timeout_s:.0f}s")
@@ -135,6 +157,13 @@ class CommitAgreement:
             except RuntimeError as err:  # the machine's store went with its local rank 0
                 self.abort(f"the machine's vote store is gone: {err}")
                 return False
+        if self.shard is not None:
+            return self.shard.cast(
+                self._vote,
+                self.key(epoch, step, "")[:-1],
+                self.key(epoch, step - 1, "")[:-1],
+                COMMIT,
+            )
         votes = self.key(epoch, step, "votes")
         return self._vote.vote(votes, self.voters, decision, COMMIT) == self.voters
 
@@ -162,6 +191,8 @@ class CommitAgreement:
     def reset(self, epoch: str, committed: int) -> None:
         """A recovery starts `epoch` with every rank at step `committed`."""
         self._vote.forget(f"{self.job}/commit/{self.epoch}/")
+        if self.shard is not None:
+            self.shard.forget(f"{self.job}/commit/{self.epoch}/")
         with self._cond:
             self.epoch, self.committed = epoch, committed
             self._target = None
@@ -180,9 +211,15 @@ class CommitAgreement:
         # Before the decision: this rank's own reason, not its watcher's echo of it.
         self.signal.set(epoch, reason)
         with self._abort_lock:
-            won = self._abort.compare_set(self.key(epoch, step, "decision"), "", ABORT)
-            if won.decode() == COMMIT:  # already committed: the next step can never be
-                self._abort.compare_set(self.key(epoch, step + 1, "decision"), "", ABORT)
+            decision = self.key(epoch, step, "decision")
+            won = self._abort.compare_set(decision, "", ABORT).decode()
+            if self.shard is not None:  # its relay may be gone with the failure
+                self.shard.relay(decision, won, self.shard.aborting)
+            if won == COMMIT:  # already committed: the next step can never be
+                decision = self.key(epoch, step + 1, "decision")
+                self._abort.compare_set(decision, "", ABORT)
+                if self.shard is not None:
+                    self.shard.relay(decision, ABORT, self.shard.aborting)
         return True
 
     def close(self) -> None:
@@ -226,22 +263,44 @@ class CommitAgreement:
                 self.signal.set(target[0], f"step {target[1]} aborted")
 
     def _decision(self, epoch: str, step: int) -> str:
-        """The step's decision, from the job's store or (a rank its machine's local rank 0
-        relays to) from the machine's; RuntimeError when none came within a slice."""
+        """The step's decision, from where this rank watches it (the job's store, its
+        shard, or its machine's store), with the job's store behind each relay;
+        RuntimeError when none came within a slice."""
         key = self.key(epoch, step, "decision")
         if self._machine is not None and not self._machine.relays:
             try:
                 return self._machine.wait(self.key(epoch, step, "machine"), _WATCH_SLICE)
             except RuntimeError:
                 # Not relayed within the slice, or the machine's store is gone with its
-                # local rank 0 (which may simply have stopped after its last step): the
-                # job's store holds every decision too.
-                value = self._watch_store.peek(key)
-                if value is None:
-                    raise
-                return value.decode()
-        self._watch_store.wait([key], _WATCH_SLICE)
-        value = self._watch_store.peek(key)
+                # local rank 0 (which may simply have stopped after its last step).
+                return self._behind_relay(key)
+        if self.shard is not None and not self.shard.relays:
+            try:
+                return self._read(self.shard.watching, key)
+            except RuntimeError:  # the shard's relay may be gone with its machine
+                return self._behind_relay(key)
+        value = self._read(self._watch_store, key)
+        if self.shard is not None:
+            self.shard.relay(key, value)
+        return value
+
+    @staticmethod
+    def _read(store: Store, key: str) -> str:
+        """The value of `key` in `store`, waited for up to a slice."""
+        store.wait([key], _WATCH_SLICE)
+        value = store.peek(key)
         if value is None:  # the key came and went: an old step's, deleted since
             raise RuntimeError(f"{key} is gone")
         return value.decode()
+
+    def _behind_relay(self, key: str) -> str:
+        """The decision where a relay missed it: in the shard, or the job's store (which
+        holds every decision)."""
+        stores = [self._watch_store]
+        if self.shard is not None:
+            stores.insert(0, self.shard.watching)
+        for store in stores:
+            value = store.peek(key)
+            if value is not None:
+                return value.decode()
+        raise RuntimeError(f"{key} is not decided")

@@ -70,7 +70,8 @@ class VoteEpochs:
         if not core.config.runtime.commit_agreement:
             return
         if self.agreement is None:
-            lay = core.config.layout
+            lay, role = core.config.layout, core.accepted.role
+            assert role is not None
             self.machine = self._machine_tally()
             self.agreement = CommitAgreement(
                 core.store_address,
@@ -80,6 +81,7 @@ class VoteEpochs:
                 committed,
                 core.config.runtime.failure_timeout_s,
                 machine=self.machine,
+                rank=lay.global_rank(role),
             )
             self.agreement.share.on_move.append(
                 lambda generation, incarnation: core.log.warning(

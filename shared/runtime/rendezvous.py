@@ -10,6 +10,11 @@ A serving replica that sees an earlier one serving too (two sides of a healed pa
 steps down (`demoted`): its process exits and comes back a standby, and its clients move
 to the earlier one. Replicas hold no state of their own worth keeping: clients re-cast
 their share of it into whichever serves next.
+
+With `shards` N, each replica hosts N more stores beside the job's (the per-step commit
+vote counts in them: `trainmover.runtime.shardvote`), on the N ports after its own, each
+a server thread of its own; they take each role with the job's store, and the job's
+store names them under SHARDS_KEY.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainmover.ports import store_addresses
+from trainmover.runtime.shardvote import SHARDS_KEY
 from trainmover.runtime.storeclient import ROLE_KEY, SERVING, STANDBY, UNKNOWN, Look
 
 #: Seconds between two looks at the other replicas.
@@ -37,7 +43,8 @@ class RendezvousHost:
     """One replica of the store, hosted by this (non-training) process: on an ephemeral
     port by default, or on `port`. `address` is what workers dial; `host` "0.0.0.0"
     listens everywhere and `advertise` names this machine then. `peers` are the other
-    replicas' addresses in the job's order, `index` this one's place among them all."""
+    replicas' addresses in the job's order, `index` this one's place among them all;
+    `shards` the stores of the commit vote it hosts beside the job's (module docstring)."""
 
     def __init__(
         self,
@@ -47,16 +54,33 @@ class RendezvousHost:
         advertise: str | None = None,
         peers: Sequence[str] = (),
         index: int = 0,
+        shards: int = 0,
     ):
-        self._store = dist.TCPStore(
-            host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        if shards < 0:
+            raise ValueError(f"{shards} store shards: not a number of shards")
+        if shards and peers and not port:
+            raise ValueError("replicas with shards need a fixed port (theirs follow it)")
+
+        def server(at: int) -> dist.TCPStore:
+            return dist.TCPStore(
+                host,
+                at,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s),
+            )
+
+        self._store = server(port)
         self.port = self._store.port
         self.address = f"{advertise or host}:{self.port}"
+        self._shards = [server(port + 1 + s if port else 0) for s in range(shards)]
+        #: Each shard's address: its replicas, in the job's order.
+        self.shards = [
+            ",".join(self._replica_of(s, self.port, peers, index, advertise or host))
+            for s in range(shards)
+        ]
+        if self.shards:
+            self._store.set(SHARDS_KEY, ";".join(self.shards))
         self.incarnation = secrets.token_hex(6)
         self._lock = threading.Lock()  # the master client is shared with /healthz
         self._peers = [Look(*store_addresses(p)[0]) for p in peers]
@@ -76,10 +100,23 @@ class RendezvousHost:
         else:
             self._set_role(SERVING)
 
+    def _replica_of(
+        self, shard: int, port: int, peers: Sequence[str], index: int, host: str
+    ) -> list[str]:
+        """Shard `shard`'s replicas: on the port after each replica's by the shard's."""
+        if not peers:
+            return [f"{host}:{self._shards[shard].port}"]
+        listed = [store_addresses(p)[0] for p in peers]
+        listed.insert(index, (host, port))
+        return [f"{h}:{p + 1 + shard}" for h, p in listed]
+
     def _set_role(self, role: str) -> None:
         with self._lock:
             if self._closed.is_set():  # the watch's last round outlived `close`
                 return
+            # The shards first: a client that finds the job's store serving finds them so.
+            for shard in self._shards:
+                shard.set(ROLE_KEY, f"{role} {self.incarnation}")
             self._store.set(ROLE_KEY, f"{role} {self.incarnation}")
         self.role = role
         if role == SERVING:
@@ -121,3 +158,4 @@ class RendezvousHost:
         with self._lock:
             self._closed.set()
             del self._store
+            self._shards.clear()

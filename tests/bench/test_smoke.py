@@ -159,7 +159,12 @@ def test_store(tmp_path: Path) -> None:
         # Machines of 2 ranks: half the voters in the job's store.
         assert row["machines_voters"] == row["ranks"] // 2
         assert row["trainmover_voters"] == row["ranks"]
+        assert row["sharded_vote_ms"] > 0 and row["sharded_voters"] == row["ranks"]
     assert data["projection"]["machines"]["voters_at_1024"] == 1024 // 8
+    # With shards the job's store's busiest path is a fraction of the flat vote's.
+    sharded = data["projection_sharded"]
+    assert sharded["serial_requests_at_1024"] < sharded["flat_requests_at_1024"] / 3
+    assert 0 < data["goals"]["projected_share_at_1024_sharded"]
     # The vote inside the reference job at the largest size: 2 machines of 2 ranks.
     in_job = data["in_job"]
     assert in_job["ranks"] == 4 and in_job["layout"]["tp"] == 2 and in_job["steps"] >= 9

@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import pytest
 
+from trainmover.freeports import free_ports
 from trainmover.runtime.rendezvous import POLL_S, TAKEOVER_S, RendezvousHost
 from trainmover.runtime.storeclient import (
     SERVING,
@@ -23,7 +24,6 @@ from trainmover.runtime.storeclient import (
     StoreLost,
     probe,
 )
-from trainmover.stack import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
