@@ -357,7 +357,7 @@ def _votes(args: argparse.Namespace, progress: Progress) -> list[dict[str, Any]]
 
 def main(args: argparse.Namespace) -> int:
     sizes = args.ranks.split(",")
-    progress = Progress("store", args.kills + args.rounds * len(sizes) * len(MODES) + 3)
+    progress = Progress("store", args.kills + args.rounds * len(sizes) * len(MODES) + 4)
     losses = asyncio.run(_losses(args, progress))
     votes = _votes(args, progress)
     step_ms = 1e3 * losses["median_step_s"]
@@ -370,14 +370,20 @@ def main(args: argparse.Namespace) -> int:
         f"{board['per_machine']['store_cpu_ms_per_s']:.1f} folded per machine"
     )
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="trainmover-bench-store-"))
-    in_job = store_job.run(
-        votes[-1]["ranks"], args.local_ranks, args.job_steps, run_dir / "in-job", progress
-    )
-    progress.step(
-        f"the reference job at {in_job['ranks']} ranks: vote {in_job['vote_ms']:.2f} ms of its "
-        f"{in_job['median_step_ms']:.1f} ms step ({100 * in_job['share_of_step']:.1f}%)"
-    )
-    projection = {m: store_projection.flat(votes, m, per_voter_ms) for m in MODES}
+    in_jobs = []
+    for shards, name in ((0, "in-job"), (SHARDS, "in-job-sharded")):  # one after the other
+        ran = store_job.run(
+            votes[-1]["ranks"], args.local_ranks, args.job_steps, run_dir / name, progress, shards
+        )
+        progress.step(
+            f"the reference job at {ran['ranks']} ranks, {shards} store shards: vote "
+            f"{ran['vote_ms']:.2f} ms of its {ran['median_step_ms']:.1f} ms step "
+            f"({100 * ran['share_of_step']:.1f}%)"
+        )
+        in_jobs.append(ran)
+    in_job, in_job_sharded = in_jobs
+    # The flat reading does not fit a vote over shards (`with_shards` is its projection).
+    projection = {m: store_projection.flat(votes, m, per_voter_ms) for m in MODES if m != "sharded"}
     with_shards = store_projection.sharded(votes, per_voter_ms)
     for row in votes:
         for mode in MODES:
@@ -391,6 +397,7 @@ def main(args: argparse.Namespace) -> int:
     result.set("projection_sharded", with_shards)
     result.set("board", board)
     result.set("in_job", in_job)
+    result.set("in_job_sharded", in_job_sharded)
     # The runtime votes per machine wherever a machine has several ranks.
     largest, projected = votes[-1], projection["machines"]
     result.set(
@@ -448,12 +455,13 @@ def main(args: argparse.Namespace) -> int:
         f"{board['at_1024_ms_per_s'][way]:.0f} ms of its CPU per second"
         for way in ("per_rank", "per_machine")
     ]
-    lines.append(
-        f"in the reference job at {in_job['ranks']} ranks ({in_job['local_ranks']} per machine):"
-        f" the vote {in_job['vote_ms']:.3f} ms (median over {in_job['steps']} steps of the "
-        f"smallest vote over the machines), {100 * in_job['share_of_step']:.1f}% of its "
-        f"{in_job['median_step_ms']:.1f} ms median step"
-    )
+    lines += [
+        f"in the reference job at {j['ranks']} ranks ({j['local_ranks']} per machine, "
+        f"{j['shards']} store shards): the vote {j['vote_ms']:.3f} ms (median over "
+        f"{j['steps']} steps of the smallest vote over the machines), "
+        f"{100 * j['share_of_step']:.1f}% of its {j['median_step_ms']:.1f} ms median step"
+        for j in in_jobs
+    ]
     text = f"{loss_table}\n\n{vote_table}\n\nprojected:\n" + "\n".join(lines) + "\n"
     md, png = outputs(path)
     md.write_text(text)

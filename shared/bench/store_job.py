@@ -72,14 +72,15 @@ def share(stats: list[StepStats]) -> dict[str, Any]:
 
 
 async def vote_in_job(
-    ranks: int, local: int, steps: int, run_dir: Path, progress: Progress
+    ranks: int, local: int, steps: int, run_dir: Path, progress: Progress, shards: int = 0
 ) -> dict[str, Any]:
-    """Runs the reference job at `ranks` ranks and measures `steps` of its steps."""
+    """Runs the reference job at `ranks` ranks (its store with `shards` shards) and
+    measures `steps` of its steps."""
     config = job_config(ranks, local)
     stats: list[StepStats] = []
     first = SETTLE_STEPS
     last = first + steps
-    async with LocalCluster(config, run_dir) as cluster:
+    async with LocalCluster(config, run_dir, store_shards=shards) as cluster:
         progress.note(f"the reference job at {ranks} ranks ({config.layout}): starting")
 
         async def on_stats(msg: Msg) -> None:
@@ -95,9 +96,11 @@ async def vote_in_job(
         finally:
             await sub.unsubscribe()
     out = share(stats)
-    out.update(ranks=ranks, local_ranks=local, layout=config.layout.model_dump())
+    out.update(ranks=ranks, local_ranks=local, shards=shards, layout=config.layout.model_dump())
     return out
 
 
-def run(ranks: int, local: int, steps: int, run_dir: Path, progress: Progress) -> dict[str, Any]:
-    return asyncio.run(vote_in_job(ranks, local, steps, run_dir, progress))
+def run(
+    ranks: int, local: int, steps: int, run_dir: Path, progress: Progress, shards: int = 0
+) -> dict[str, Any]:
+    return asyncio.run(vote_in_job(ranks, local, steps, run_dir, progress, shards))

@@ -169,6 +169,11 @@ def test_store(tmp_path: Path) -> None:
     in_job = data["in_job"]
     assert in_job["ranks"] == 4 and in_job["layout"]["tp"] == 2 and in_job["steps"] >= 9
     assert 0 < in_job["vote_ms"] < in_job["median_step_ms"]
+    # The same job with its store's shards (2 machines: a shard each).
+    sharded_job = data["in_job_sharded"]
+    assert sharded_job["shards"] == 2 and sharded_job["steps"] >= 9
+    assert 0 < sharded_job["vote_ms"] < sharded_job["median_step_ms"]
+    assert "sharded" not in data["projection"]
     # The progress board's beacons at the largest size, per rank and folded per machine
     # (their CPU above an idle store's is within this host's noise at 4 ranks).
     board = data["board"]
