@@ -203,6 +203,7 @@ def _chaos(args: argparse.Namespace) -> int:
             in_order=args.in_order,
             nats_cluster=args.nats_cluster,
             layout=Layout.parse(args.layout),
+            store_shards=args.store_shards,
         )
     except ValueError as err:
         raise CliError(str(err)) from None
@@ -362,6 +363,13 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--no-reference", action="store_true", help="skip the reference run")
     ch.add_argument(
         "--nats-cluster", type=int, default=1, metavar="N", help="the bus as N embedded servers"
+    )
+    ch.add_argument(
+        "--store-shards",
+        type=int,
+        default=0,
+        metavar="N",
+        help="count the commit vote in N shards of the rendezvous store (killed with it)",
     )
     ch.add_argument("--json", metavar="FILE", help="write the report as JSON")
 

@@ -34,6 +34,8 @@ class SoakSettings:
     nats_cluster: int = 1
     #: The job's layout: TP ranks per machine, PP x DP machines.
     layout: Layout = field(default_factory=lambda: Layout(tp=2, pp=2, dp=2))
+    #: Shards of the rendezvous store the commit vote counts in (0: the store alone).
+    store_shards: int = 0
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - set(FAULT_KINDS)
@@ -47,6 +49,11 @@ class SoakSettings:
             raise ValueError("the soak needs at least one standby")
         if "nats_node_kill" in self.kinds and self.nats_cluster < 3:
             raise ValueError("nats_node_kill needs a bus cluster: --nats-cluster 3 (or more)")
+        if not 0 <= self.store_shards <= self.layout.machines:
+            raise ValueError(
+                f"--store-shards {self.store_shards}: from 0 to the job's "
+                f"{self.layout.machines} machines"
+            )
 
 
 @dataclass

@@ -145,6 +145,7 @@ class Soak:
             nats_cluster=self.s.nats_cluster,
             # Two replicas of the store when it is among the faults (one is killed).
             store_replicas=2 if "store_kill" in self.s.kinds else 0,
+            store_shards=self.s.store_shards,
             # Who failed a machine is in the services' logs: kept with the workers'.
             log_dir=self.workdir / "soak" / "logs",
         )

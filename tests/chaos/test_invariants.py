@@ -117,6 +117,13 @@ def test_a_bus_node_kill_needs_a_bus_cluster() -> None:
     assert SoakSettings(kinds=("nats_node_kill",), nats_cluster=3).nats_cluster == 3
 
 
+def test_store_shards_are_refused_beyond_the_jobs_machines() -> None:
+    with pytest.raises(ValueError, match="--store-shards 5: from 0 to the job's 4 machines"):
+        SoakSettings(store_shards=5)
+    with pytest.raises(ValueError, match="--store-shards -1"):
+        SoakSettings(store_shards=-1)
+
+
 def test_a_returning_machine_taken_as_a_joiner_has_come_back() -> None:
     assert has_come_back("standby", was_away=False)
     assert has_come_back("active", was_away=True)  # back, and taken straight from the pool
