@@ -97,7 +97,7 @@ class CommitAgreement:
         self._closed = False
         self._watch_store = Store(store_address, timeout_s)
         shards = shard_addresses(self._vote)
-        self._watch_store.check([ROLE_KEY])  # connected now, not in the first step's burst
+        self._watch_store.check([ROLE_KEY])  # connected now, not on the first step's path
         #: This rank's shard of the job's store, where it has shards.
         self.shard = (
             ShardVote(

@@ -80,8 +80,9 @@ class ShardVote:
         self.watching = Store(address, timeout_s)
         self.aborting = Store(address, timeout_s)
         self.share = self.voting.share
-        # Connected now, one after the other, not in a burst at the first step (a TCPStore
-        # server answers a burst of new connections seconds late).
+        # Connected now, not on the first step's path: a TCPStore client's connection
+        # can take seconds where the host's resolver is slow (c10d looks up the name of
+        # the peer's address).
         for store in (self.voting, self.watching):
             store.check([SHARDS_KEY])
         #: What this process writes into its claims: nobody else writes it.
