@@ -76,8 +76,7 @@ class RendezvousHost:
         self._shards = [server(port + 1 + s if port else 0) for s in range(shards)]
         #: Each shard's address: its replicas, in the job's order.
         self.shards = [
-            ",".join(self._replica_of(s, self.port, peers, index, advertise or host))
-            for s in range(shards)
+            ",".join(self._replica_of(s, peers, index, advertise or host)) for s in range(shards)
         ]
         if self.shards:
             self._store.set(SHARDS_KEY, ";".join(self.shards))
@@ -100,14 +99,12 @@ class RendezvousHost:
         else:
             self._set_role(SERVING)
 
-    def _replica_of(
-        self, shard: int, port: int, peers: Sequence[str], index: int, host: str
-    ) -> list[str]:
+    def _replica_of(self, shard: int, peers: Sequence[str], index: int, host: str) -> list[str]:
         """Shard `shard`'s replicas: on the port after each replica's by the shard's."""
         if not peers:
             return [f"{host}:{self._shards[shard].port}"]
         listed = [store_addresses(p)[0] for p in peers]
-        listed.insert(index, (host, port))
+        listed.insert(index, (host, self.port))
         return [f"{h}:{p + 1 + shard}" for h, p in listed]
 
     def _set_role(self, role: str) -> None:
