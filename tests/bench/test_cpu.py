@@ -14,12 +14,20 @@ from trainmover.bench import cpu
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 
-BURN = "import sys, time\nwhile True: pass  # {marker}"
-SLEEP = "import time\nwhile True: time.sleep(1)  # {marker}"
+READY = "print('ready', flush=True)\n"
+BURN = READY + "while True: pass  # {marker}"
+SLEEP = READY + "import time\nwhile True: time.sleep(1)  # {marker}"
 
 
 def _child(code: str, marker: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", code.format(marker=marker)])
+    """A child running `code`, returned once it runs: Popen returns as soon as the exec
+    closed the child's close-on-exec pipe, before the kernel has set the new command
+    line that /proc shows."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", code.format(marker=marker)], stdout=subprocess.PIPE
+    )
+    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    return child
 
 
 class _Steps:
