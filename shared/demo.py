@@ -38,7 +38,7 @@ from trainmover.demoview import DemoDisplay
 from trainmover.jobview import JobView
 from trainmover.localcluster import FAST_SIGNALS, LocalCluster
 from trainmover.localjob import LocalJob
-from trainmover.messages import Command, MigrationProgress, StragglerEvent
+from trainmover.messages import TERMINAL_STATES, Command, MigrationProgress, StragglerEvent
 from trainmover.runtime.compare import state_files
 from trainmover.runtime.config import JobConfig
 
@@ -98,9 +98,13 @@ async def _follow(cluster: LocalCluster) -> None:
 
 async def _migration(cluster: LocalCluster, kind: str, event_id: str) -> MigrationRow:
     done = await cluster.client.wait_for_migration(cluster.job, event_id, timeout=WAIT_S)
+    return _row(kind, done)
+
+
+def _row(kind: str, done: MigrationProgress) -> MigrationRow:
     return MigrationRow(
         kind=kind,
-        event_id=event_id,
+        event_id=done.event_id,
         leaver=done.leaver,
         joiner=done.joiner,
         state=done.state,
@@ -136,6 +140,11 @@ async def kill(cluster: LocalCluster, machine: str) -> MigrationRow:
 
 
 async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -> MigrationRow:
+    """Slows `machine` until the straggler detector flags it and the planner moves it.
+
+    On a loaded host the detector may have flagged it on its own before (its steps were
+    slower): that move is the straggler's row, and a machine no longer holding its role
+    is not slowed."""
     # A straggler is moved only to a free warm standby (it is slow, not broken): wait for
     # one, e.g. the drained machine back from its maintenance.
     await cluster.wait_state(
@@ -148,23 +157,55 @@ async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -
             f"only {left} training steps left once a standby was warm: too few to detect a "
             "straggler; run the demo with more --steps"
         )
-    say(f"slowing {machine} by {extra_s} s of compute per step (a straggler)")
-    async with cluster.client.watch(cluster.job) as items:
-        reply = await bus.request(
-            cluster.nc,
-            Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": extra_s}),
-        )
-        if not reply.ok:
-            raise DemoFailed(f"could not slow {machine}: {reply.error}")
-        async for item in items:
-            if isinstance(item, StragglerEvent) and item.machine == machine:
-                ev = item.evidence
+    flagged: set[str] = set()
+    slowed = False
+    try:
+        async with (
+            asyncio.timeout(WAIT_S),
+            cluster.client.watch(cluster.job, from_start=True) as items,
+        ):
+            state = await cluster.client.status(cluster.job)
+            if state.machines[machine].status == "active":
+                await _slow(cluster, machine, extra_s)
+                slowed = True
+            else:
                 say(
-                    f"  the straggler detector flagged {machine}: median step "
-                    f"{ev.machine_median_s:.3f} s vs the job's {ev.job_median_s:.3f} s"
+                    f"{machine} is {state.machines[machine].status} (flagged on its own): not slowed"
                 )
-                return await _migration(cluster, "straggler", item.event_id)
+            async for item in items:
+                if isinstance(item, StragglerEvent) and item.machine == machine:
+                    ev = item.evidence
+                    flagged.add(item.event_id)
+                    say(
+                        f"  the straggler detector flagged {machine}: median step "
+                        f"{ev.machine_median_s:.3f} s vs the job's {ev.job_median_s:.3f} s"
+                    )
+                elif (
+                    isinstance(item, MigrationProgress)
+                    and item.event_id in flagged
+                    and item.state in TERMINAL_STATES
+                ):
+                    if item.state == "done":
+                        return _row("straggler", item)
+                    say(f"  its move ended {item.state} ({item.detail}): not moved yet")
+                    if not slowed:
+                        await _slow(cluster, machine, extra_s)
+                        slowed = True
+    except TimeoutError:
+        raise DemoFailed(
+            f"{machine} was not moved as a straggler within {WAIT_S:.0f} s "
+            f"(flagged: {len(flagged)} times)"
+        ) from None
     raise RuntimeError("the event stream ended")
+
+
+async def _slow(cluster: LocalCluster, machine: str, extra_s: float) -> None:
+    say(f"slowing {machine} by {extra_s} s of compute per step (a straggler)")
+    reply = await bus.request(
+        cluster.nc, Command(job=cluster.job, machine=machine, op="slow", args={"extra_s": extra_s})
+    )
+    if not reply.ok:
+        raise DemoFailed(f"could not slow {machine}: {reply.error}")
 
 
 Scenario = Callable[[LocalCluster], Awaitable[MigrationRow]]

@@ -7,6 +7,7 @@ uninterrupted run of the same script and the bit-exact comparison, into --json.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import subprocess
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from trainmover import bus, demo, demo_examples
 from trainmover.demo import DemoReport, MigrationRow
+from trainmover.localcluster import FAST_SIGNALS, LocalCluster
+from trainmover.messages import Command, StragglerEvent
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +61,34 @@ def test_the_llama_example_demo_moves_three_times_and_ends_bit_identical(tmp_pat
     report = run_demo("llama", tmp_path)
     assert [m["leaver"] for m in report["migrations"]] == ["m1", "m2", "m3"]
     assert report["bitexact"] is True and report["mismatches"] == []
+
+
+def test_a_machine_the_system_moved_as_a_straggler_before_the_demo_slowed_it_is_its_straggler(
+    tmp_path: Path,
+) -> None:
+    """On a loaded host the detector can flag the demo's straggler on its own, before the
+    demo slows it: the demo reports that move instead of waiting for one that cannot come
+    (the machine no longer holds a role)."""
+    job = demo_examples.pick("ddp")
+    service_args = {**FAST_SIGNALS, "sidecar": FAST_SIGNALS["sidecar"] + job.sidecar_args()}
+
+    async def scenario() -> tuple[str, MigrationRow]:
+        async with LocalCluster(job.config(job.default_steps), tmp_path, service_args) as cluster:
+            await cluster.wait_step("m0", 10, 300)
+            await cluster.wait_standbys_warm(300)
+            async with cluster.client.watch(cluster.job) as items:
+                # What a loaded host does to m1: its steps get slower than m0's.
+                command = Command(job=cluster.job, machine="m1", op="slow", args={"extra_s": 0.5})
+                assert (await bus.request(cluster.nc, command)).ok
+                async for item in items:
+                    if isinstance(item, StragglerEvent) and item.machine == "m1":
+                        break
+            moved = await cluster.client.wait_for_migration(cluster.job, item.event_id, 300)
+            assert moved.state == "done" and moved.leaver == "m1", moved.detail
+            return item.event_id, await asyncio.wait_for(demo.slow_down(cluster, "m1"), 300)
+
+    event_id, row = asyncio.run(scenario())
+    assert (row.kind, row.event_id, row.leaver, row.state) == ("straggler", event_id, "m1", "done")
 
 
 def test_an_unknown_example_is_refused_naming_the_known_ones() -> None:
