@@ -9,12 +9,15 @@ sizes. For each size, one after the other (one system trains at a time on these 
 
 - link: raw gloo send/recv of the same bytes between two processes, and the runtime's
   streamed transfer alone between the same two processes (`link_probe`);
-- TrainMover, through the services (`services_runs`): a drain of m0 (planned: the state
-  from the leaver) and then a SIGKILL of the machine that took its place (failure: the
-  state from the replica m1); downtime from the executor's progress; transfer seconds
-  and peak memory from each worker's own log (its receive; VmHWM as the transfer starts
-  and once it is over: `trainmover.runtime.logs.peak_rss_mib`);
-- the same drain with the per-chunk checksums off (`runtime.transfer_checksum`), to
+- TrainMover, through the services (`services_runs`): `--repeats` drains of the machine
+  holding m0's role (planned: the state from the leaver; each drain's joiner is the
+  machine the one before drained, back from its maintenance and warm) and then a SIGKILL
+  of that machine (failure: the state from the replica m1); downtime from the
+  executor's progress; transfer seconds and peak memory from each worker's own log (its
+  receive; VmHWM as the transfer starts and once it is over:
+  `trainmover.runtime.logs.peak_rss_mib`); the row gives the drains' medians and their
+  worst memory overhead;
+- the same drains with the per-chunk checksums off (`runtime.transfer_checksum`), to
   tell what the checksums cost from what the streaming costs;
 - checkpoint-restart of the same job under torchrun: torch.save to local disk, relaunch,
   torch.load (`ckpt_restart.TorchrunJob.planned`).
@@ -76,13 +79,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunk-mib", type=float, default=64.0, help="transfer chunk size (default 64)"
     )
-    parser.add_argument("--link-repeats", type=int, default=3, help="raw gloo transfers per size")
+    parser.add_argument(
+        "--link-repeats", type=positive, default=5, help="raw gloo transfers per size (default 5)"
+    )
+    parser.add_argument(
+        "--repeats", type=positive, default=3,
+        help="planned migrations per size and TrainMover system (medians reported; default 3)",
+    )  # fmt: skip
     parser.add_argument("--warm-steps", type=int, default=20, help="steady steps before each event")
     parser.add_argument(
         "--systems", type=parse_systems, default=list(SYSTEMS),
         help=f"which to measure, comma-separated (default all: {','.join(SYSTEMS)})",
     )  # fmt: skip
     parser.add_argument("--run-dir", type=Path, help="logs, checkpoints (default: a temp dir)")
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
+    return value
 
 
 def parse_systems(text: str) -> list[str]:
@@ -123,20 +142,22 @@ def link(size: int, repeats: int, chunk_mib: float) -> dict[str, Any]:
 
 
 def trainmover(
-    config: JobConfig, run_dir: Path, warm_steps: int, failure: bool = True
+    config: JobConfig, run_dir: Path, warm_steps: int, repeats: int, failure: bool = True
 ) -> dict[str, Any]:
-    """A drain of m0 and then (`failure`) a SIGKILL of its joiner, through the whole
-    system."""
-    out: dict[str, Any] = {}
+    """`repeats` drains of the machine holding m0's role (each to the machine the one
+    before drained, back from its maintenance and warm) and then (`failure`) a SIGKILL
+    of that machine, through the whole system."""
+    planned: list[dict[str, Any]] = []
     with ServicesJob(config, run_dir, standbys=1, maintenance_s=1.0) as tm:
-        out["planned"] = tm.planned(tm.settle(warm_steps, returned=False))
-        if failure:
-            out["failure"] = tm.failure(tm.settle(warm_steps))
+        for i in range(repeats):
+            planned.append(tm.planned(tm.settle(warm_steps, returned=i > 0)))
+        unplanned = [tm.failure(tm.settle(warm_steps))] if failure else []
         plans = {p.event_id: p.plan_id for p in tm.progress if p.plan_id}
-    starts = {"planned": {"commit", "transferring"}, "failure": {"transferring"}}
-    for kind, row in out.items():
-        row["memory"] = peaks(run_dir / "run", plans[row["event_id"]], starts[kind])
-    return out
+    for row in planned:
+        row["memory"] = peaks(run_dir / "run", plans[row["event_id"]], {"commit", "transferring"})
+    for row in unplanned:
+        row["memory"] = peaks(run_dir / "run", plans[row["event_id"]], {"transferring"})
+    return {"planned": planned, **({"failure": unplanned[0]} if failure else {})}
 
 
 def peaks(logs: Path, plan_id: str, starts: set[str]) -> dict[str, dict[str, float]]:
@@ -187,10 +208,17 @@ def run(args: argparse.Namespace) -> Result:
         unchecked = config.with_updates(runtime={"transfer_checksum": False})
         systems = {
             "link": partial(link, size, args.link_repeats, args.chunk_mib),
-            "trainmover": partial(trainmover, config, run_dir / f"tm-{label}", args.warm_steps),
-            "trainmover_no_checksum": partial(
-                trainmover, unchecked, run_dir / f"tm-nosum-{label}", args.warm_steps, False
+            "trainmover": partial(
+                trainmover, config, run_dir / f"tm-{label}", args.warm_steps, args.repeats
             ),
+            "trainmover_no_checksum": partial(
+                trainmover,
+                unchecked,
+                run_dir / f"tm-nosum-{label}",
+                args.warm_steps,
+                args.repeats,
+                failure=False,
+            ),  # fmt: skip
             "ckpt": partial(checkpoint_restart, config, run_dir / f"ckpt-{label}", args.warm_steps),
         }
         for name, fn in systems.items():
@@ -221,7 +249,9 @@ def short(out: Any) -> str:
     if "seconds" in out:
         return f"{min(out['seconds']):.3f} s best"
     if "planned" in out:
-        return ", ".join(f"{k} {v['downtime_s']:.3f} s" for k, v in out.items())
+        planned = ", ".join(f"{p['downtime_s']:.3f}" for p in out["planned"])
+        failure = f", failure {out['failure']['downtime_s']:.3f} s" if "failure" in out else ""
+        return f"planned {planned} s{failure}"
     return f"{out['downtime_s']:.3f} s"
 
 
@@ -255,6 +285,7 @@ COLUMNS = [
     ("link_gbps", "link Gb/s"),
     ("transfer_gbps", "transfer Gb/s"),
     ("ratio_to_link", "ratio to link"),
+    ("ratio_to_link_samples", "ratio per drain"),
     ("ratio_to_link_no_checksum", "ratio, no checksum"),
     ("streamed_alone_ratio", "transfer code alone / link"),
     ("leaver_overhead_mib", "leaver +MiB"),

@@ -3,7 +3,8 @@ the projection of the measured model to a large job.
 
 A row's memory overheads are peak resident memory (VmHWM) once a migration is over minus
 the peak as its transfer started: what the transfer added on top of everything the rank
-had needed before, training included. `overhead_budget_mib` is the issue's bound: one
+had needed before, training included; the worst of the size's planned migrations. Its
+times and throughputs are their medians (`ratio_to_link_samples`: each one's ratio). `overhead_budget_mib` is the issue's bound: one
 chunk buffer plus 5 % of the rank's steady peak.
 """
 
@@ -43,6 +44,58 @@ def _ok(value: Any) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _worst(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _planned(samples: list[dict[str, Any]], size: int, chunk_mib: float) -> dict[str, Any]:
+    """The planned migrations' part of a row: medians over the samples (the transfer
+    from the joiner's own receive), the worst memory overhead of any."""
+    if not samples:
+        return {}
+    each = []
+    for planned in samples:
+        memory = planned.get("memory", {})
+        # The joiner's own receive, from the leaver's first byte to its last chunk
+        # checked; the joiner's wait before that (the leaver's last step) is downtime,
+        # kept apart as transfer_wait_s, but not the link.
+        joiner = memory.get(planned["joiner"], {})
+        transfer, downtime = joiner.get("transfer_s"), planned["downtime_s"]
+        stayers = [m for m in memory if m not in (planned["leaver"], planned["joiner"])]
+        each.append({
+            "transfer_s": transfer,
+            "transfer_wait_s": joiner.get("transfer_wait_s"),
+            "transfer_phase_s": planned["phases_s"].get("transfer"),
+            "transfer_gbps": gbps(size, transfer),
+            "normal_step_s": planned["normal_step_s"],
+            "planned_downtime_s": downtime,
+            "planned_over_transfer_s": (
+                downtime - transfer - planned["normal_step_s"]
+                if transfer is not None and downtime is not None
+                else None
+            ),
+            "leaver_overhead_mib": _over(memory, planned["leaver"]),
+            "joiner_overhead_mib": _over(memory, planned["joiner"]),
+            "stayer_overhead_mib": _over(memory, stayers[0]) if stayers else None,
+            "steady_peak_mib": max((e.get("before", 0.0) for e in memory.values()), default=0.0),
+        })  # fmt: skip
+    out: dict[str, Any] = {"planned_samples": len(samples)}
+    for key in each[0]:
+        values = [e[key] for e in each]
+        worst = key.endswith("_overhead_mib") or key == "steady_peak_mib"
+        out[key] = _worst(values) if worst else _median(values)
+    out["transfer_gbps"] = gbps(size, out["transfer_s"])
+    out["transfer_gbps_samples"] = [e["transfer_gbps"] for e in each]
+    out["overhead_budget_mib"] = round(chunk_mib + 0.05 * out["steady_peak_mib"], 1)
+    return out
+
+
 def size_row(measured: dict[str, Any], chunk_mib: float) -> dict[str, Any]:
     """The JSON row of one size from its raw measurements (`link`, `trainmover`, `ckpt`;
     a failed one is its reason string, kept under `not_measured`)."""
@@ -63,39 +116,16 @@ def size_row(measured: dict[str, Any], chunk_mib: float) -> dict[str, Any]:
         if row["streamed_alone_gbps"] and row["link_gbps"]
         else None
     )
-    planned = tm["planned"] if tm else None
+    samples = tm["planned"] if tm else []
     failure = tm["failure"] if tm else None
-    if planned:
-        memory = planned.get("memory", {})
-        # The joiner's own receive, from the leaver's first byte to its last chunk
-        # checked; the joiner's wait before that (the leaver's last step) is downtime,
-        # kept apart as transfer_wait_s, but not the link.
-        joiner = memory.get(planned["joiner"], {})
-        transfer = joiner.get("transfer_s")
-        stayers = [m for m in memory if m not in (planned["leaver"], planned["joiner"])]
-        steady = max((e.get("before", 0.0) for e in memory.values()), default=0.0)
-        row |= {
-            "transfer_s": transfer,
-            "transfer_wait_s": joiner.get("transfer_wait_s"),
-            "transfer_phase_s": planned["phases_s"].get("transfer"),
-            "transfer_gbps": gbps(size, transfer),
-            "normal_step_s": planned["normal_step_s"],
-            "planned_downtime_s": planned["downtime_s"],
-            "leaver_overhead_mib": _over(memory, planned["leaver"]),
-            "joiner_overhead_mib": _over(memory, planned["joiner"]),
-            "stayer_overhead_mib": _over(memory, stayers[0]) if stayers else None,
-            "steady_peak_mib": steady,
-            "overhead_budget_mib": round(chunk_mib + 0.05 * steady, 1),
-        }
-        if transfer is not None and planned["downtime_s"] is not None:
-            row["planned_over_transfer_s"] = (
-                planned["downtime_s"] - transfer - planned["normal_step_s"]
-            )
+    row |= _planned(samples, size, chunk_mib)
     row["ratio_to_link"] = (
         row["transfer_gbps"] / row["link_gbps"]
         if row.get("transfer_gbps") and row.get("link_gbps")
         else None
     )
+    each_gbps, link_gbps = row.pop("transfer_gbps_samples", []), row["link_gbps"]
+    row["ratio_to_link_samples"] = [round(g / link_gbps, 3) for g in each_gbps if g and link_gbps]
     if failure:
         memory = failure.get("memory", {})
         source = next((m for m in memory if m != failure["joiner"]), None)
@@ -107,10 +137,9 @@ def size_row(measured: dict[str, Any], chunk_mib: float) -> dict[str, Any]:
         }
     unchecked = _ok(measured.get("trainmover_no_checksum"))
     if unchecked:
-        plain = unchecked["planned"]
-        seconds = plain.get("memory", {}).get(plain["joiner"], {}).get("transfer_s")
-        row["transfer_gbps_no_checksum"] = gbps(size, seconds)
-        row["planned_downtime_no_checksum_s"] = plain["downtime_s"]
+        plain = _planned(unchecked["planned"], size, chunk_mib)
+        row["transfer_gbps_no_checksum"] = plain.get("transfer_gbps")
+        row["planned_downtime_no_checksum_s"] = plain.get("planned_downtime_s")
         row["ratio_to_link_no_checksum"] = (
             row["transfer_gbps_no_checksum"] / row["link_gbps"]
             if row["transfer_gbps_no_checksum"] and row.get("link_gbps")

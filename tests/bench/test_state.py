@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainmover.bench.cli import main as bench_main
-from trainmover.bench.state import parse_sizes, parse_systems
+from trainmover.bench.state import parse_sizes, parse_systems, positive
 from trainmover.bench.state_model import CASES, NIC_GBPS, project, size_row
 
 MIB = 1 << 20
@@ -25,10 +25,14 @@ def test_sizes_take_binary_units_and_refuse_nonsense() -> None:
             parse_sizes(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="unknown system 'torchft'"):
         parse_systems("link,torchft")
+    for bad in ("0", "two", "-3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
+            positive(bad)
+    assert positive("3") == 3
 
 
-def measured(size: int, transfer_s: float, link_s: float, joiner_peak: float) -> dict:
-    """Raw measurements of one size as the benchmark collects them."""
+def drain(transfer_s: float, joiner_peak: float) -> dict:
+    """One planned migration m0 -> s0 as the benchmark records it."""
     memory = {
         "m0": {"before": 1000.0, "after": 1000.5, "transfer_s": transfer_s + 0.05},
         "s0": {
@@ -39,9 +43,15 @@ def measured(size: int, transfer_s: float, link_s: float, joiner_peak: float) ->
         },
         "m1": {"before": 1000.0, "after": 1000.0},
     }
-    planned = {"leaver": "m0", "joiner": "s0", "downtime_s": transfer_s + 0.3,
-               "normal_step_s": 0.1, "phases_s": {"transfer": transfer_s + 0.05},
-               "memory": memory}  # fmt: skip
+    return {"leaver": "m0", "joiner": "s0", "downtime_s": transfer_s + 0.3,
+            "normal_step_s": 0.1, "phases_s": {"transfer": transfer_s + 0.05},
+            "memory": memory}  # fmt: skip
+
+
+def measured(
+    size: int, transfer_s: float, link_s: float, joiner_peak: float, drains: int = 1
+) -> dict:
+    """Raw measurements of one size as the benchmark collects them."""
     failure = {"joiner": "m0", "downtime_s": 2.0, "phases_s": {},
                "memory": {"m1": {"before": 1000.0, "after": 1001.0, "transfer_s": 1.0},
                           "m0": {"before": 900.0, "after": 900.2, "transfer_s": 1.0}}}  # fmt: skip
@@ -52,7 +62,10 @@ def measured(size: int, transfer_s: float, link_s: float, joiner_peak: float) ->
             "seconds": [link_s, link_s / 2, link_s * 2],
             "streamed_seconds": [link_s * 1.25] * 3,
         },
-        "trainmover": {"planned": planned, "failure": failure},
+        "trainmover": {
+            "planned": [drain(transfer_s, joiner_peak) for _ in range(drains)],
+            "failure": failure,
+        },
         "trainmover_no_checksum": "not chosen (--systems)",
         "ckpt": {"downtime_s": 30.0, "phases_s": {"save": 5.0}},
     }
@@ -75,6 +88,20 @@ def test_a_row_reads_throughput_from_the_joiners_receive_and_memory_above_the_st
     assert row["within_memory_budget"] is True
     assert row["not_measured"] == {"trainmover_no_checksum": "not chosen (--systems)"}
     assert "ratio_to_link_no_checksum" not in row  # that run was not chosen
+
+
+def test_a_row_takes_the_drains_medians_and_their_worst_memory() -> None:
+    raw = measured(GIB, transfer_s=1.0, link_s=0.8, joiner_peak=1100.9, drains=3)
+    drains = raw["trainmover"]["planned"]
+    drains[1] = drain(4.0, joiner_peak=1100.9)  # a slow one
+    drains[2] = drain(0.8, joiner_peak=1150.0)  # one that took more memory
+    row = size_row(raw, chunk_mib=64)
+    assert row["planned_samples"] == 3
+    assert row["transfer_s"] == pytest.approx(1.0)  # the median drain's
+    assert row["ratio_to_link"] == pytest.approx(0.8)
+    assert row["ratio_to_link_samples"] == pytest.approx([0.8, 0.2, 1.0])
+    assert row["planned_downtime_s"] == pytest.approx(1.3)
+    assert row["joiner_overhead_mib"] == pytest.approx(50.0)  # the worst drain's
 
 
 def test_a_joiner_that_doubled_its_state_is_over_the_budget() -> None:
@@ -106,7 +133,7 @@ def test_the_projection_uses_the_large_sizes_ratio_and_the_fixed_part() -> None:
 def test_state_smoke(tmp_path: Path) -> None:
     out = tmp_path / "state.json"
     args = ["state", "--json", str(out), "--sizes", "1M", "--warm-steps", "3",
-            "--link-repeats", "1", "--systems", "link,trainmover"]  # fmt: skip
+            "--link-repeats", "1", "--repeats", "2", "--systems", "link,trainmover"]  # fmt: skip
     assert bench_main(args) == 0
     data = json.loads(out.read_text())
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
@@ -119,6 +146,10 @@ def test_state_smoke(tmp_path: Path) -> None:
     assert row["ckpt_restart_downtime_s"] is None
     assert set(row["not_measured"]) == {"trainmover_no_checksum", "ckpt"}
     # The joiner's own log gave its receive time and its peak memory around it.
-    planned = data["runs"]["1M"]["trainmover"]["planned"]
-    assert planned["warm_joiner"]
-    assert {"before", "after", "transfer_s"} <= set(planned["memory"][planned["joiner"]])
+    first, second = data["runs"]["1M"]["trainmover"]["planned"]
+    # The second drain moved the role back to the machine the first drained, once warm.
+    assert (second["leaver"], second["joiner"]) == (first["joiner"], first["leaver"])
+    assert row["planned_samples"] == 2 and len(row["ratio_to_link_samples"]) == 2
+    for planned in (first, second):
+        assert planned["warm_joiner"]
+        assert {"before", "after", "transfer_s"} <= set(planned["memory"][planned["joiner"]])
