@@ -1,8 +1,9 @@
 """Streamed peer transfer of a role's state over a transfer pair, in bounded chunks.
 
 The sender writes a manifest (JSON: the non-tensor header, each tensor's name, shape and
-dtype, the chunk size) and then every tensor's bytes straight from its own storage, in
-chunks of at most `chunk_bytes`, a few posted at a time; last, one checksum per chunk.
+dtype, the chunk size) and then every tensor's bytes in chunks of at most `chunk_bytes`,
+a few posted at a time: the small tensors packed together, the others straight from
+their own storage (`trainmover.runtime.pieces`); last, one checksum per chunk.
 The receiver checks the manifest against its own model before it receives any tensor
 byte, then receives each tensor into the storage it will live in: its own parameter or
 optimizer tensor of the same shape and dtype (so a joiner that built its role holds no
@@ -13,10 +14,10 @@ checksum, so a transfer cut mid-way (the sender killed) or corrupted raises and 
 the receiver's step, optimizer and RNGs as they were; only tensor bytes it never trained
 with were overwritten, and the next transfer overwrites them all.
 
-A tensor on another device than the pair's (a CPU RNG state beside NCCL groups, a CPU
-offloaded moment) travels through one staging buffer of one chunk on the pair's device.
-Peak memory on either side is therefore the state itself plus at most `window` chunks in
-flight, whatever the state's size.
+A pack, and a tensor on another device than the pair's (a CPU RNG state beside NCCL
+groups, a CPU offloaded moment), travel through one staging buffer of one chunk on the
+pair's device. Peak memory on either side is therefore the state itself plus that buffer
+(and a copy of one non-contiguous tensor at a time), whatever the state's size.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 
 from trainmover.runtime import fault
 from trainmover.runtime.groups import Group, PendingWork
+from trainmover.runtime.pieces import Piece, Staging, cut
 
 #: Default largest chunk of one send or receive.
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -102,14 +103,15 @@ def send_state(
     group.send(raw, peer, _TAG_MANIFEST).wait()
     sums: list[int] = []
     posted: deque[PendingWork] = deque()
-    staging = _Staging(device, chunk_bytes)
+    staging = Staging(device, chunk_bytes)
+    flat = _Flats(list(tensors.values()))
     total = chunks = 0
-    for chunk in _chunks(tensors.values(), chunk_bytes):
-        wire = staging.outgoing(chunk, posted)
+    for piece in cut(flat.sizes, chunk_bytes):
+        wire = staging.outgoing(piece, flat, posted)
         posted.append(group.send(wire, peer, _TAG_DATA + chunks % LANES))
         if checksums:  # read while the chunk is on the wire: both only read it
             sums.append(_checksum(wire, chunks))
-        total, chunks = total + chunk.numel(), chunks + 1
+        total, chunks = total + wire.numel(), chunks + 1
         if chunks == 2:
             fault.point("transfer")  # test-only: the sender dies mid-transfer
         while len(posted) > WINDOW:
@@ -139,27 +141,29 @@ def receive_state(
     chunk_bytes, checksums = int(manifest["chunk_bytes"]), bool(manifest["checksums"])
     tensors = _destinations(manifest["tensors"], own, device)
     sums: list[int] = []
-    #: (work, what it receives into, where that goes if it is the staging buffer)
-    posted: deque[tuple[PendingWork, torch.Tensor, torch.Tensor | None]] = deque()
-    staging = _Staging(device, chunk_bytes)
+    #: (work, what it receives into, the piece if that is the staging buffer)
+    posted: deque[tuple[PendingWork, torch.Tensor, Piece | None]] = deque()
+    staging = Staging(device, chunk_bytes)
+    flat = _Flats(list(tensors.values()))
     total = chunks = 0
 
     def complete() -> None:
-        work, wire, target = posted.popleft()
+        work, wire, staged = posted.popleft()
         work.wait()
         if checksums:
             sums.append(_checksum(wire, len(sums)))
-        if target is not None:
-            target.copy_(wire)
+        if staged is not None:
+            staging.scatter(wire, staged, flat)
 
-    for chunk in _chunks(tensors.values(), chunk_bytes):
-        if staging.needed(chunk):
+    for piece in cut(flat.sizes, chunk_bytes):
+        staged = staging.needed(piece, flat)
+        if staged:
             while posted:  # the one staging buffer is free again
                 complete()
-        wire = staging.incoming(chunk)
+        wire = staging.incoming(piece, flat)
         lane = _TAG_DATA + chunks % LANES
-        posted.append((group.irecv(wire, peer, lane), wire, None if wire is chunk else chunk))
-        total, chunks = total + chunk.numel(), chunks + 1
+        posted.append((group.irecv(wire, peer, lane), wire, piece if staged else None))
+        total, chunks = total + wire.numel(), chunks + 1
         while len(posted) > WINDOW:
             complete()
     while posted:
@@ -223,40 +227,19 @@ def _destinations(
     return out
 
 
-def _chunks(tensors: Any, chunk_bytes: int) -> Iterator[torch.Tensor]:
-    """Byte views of at most `chunk_bytes` over each tensor's own storage."""
-    for t in tensors:
-        flat = as_bytes(t)
-        for start in range(0, flat.numel(), chunk_bytes):
-            yield flat[start : start + chunk_bytes]
+class _Flats:
+    """Each tensor's bytes as a flat view (`as_bytes`), the last one kept: a
+    non-contiguous tensor is copied once for all its chunks, and one at a time."""
 
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._tensors = tensors
+        self.sizes = [t.numel() * t.element_size() for t in tensors]
+        self._last: tuple[int, torch.Tensor] | None = None
 
-class _Staging:
-    """One chunk-sized buffer on the pair's device, for chunks of tensors elsewhere."""
-
-    def __init__(self, device: torch.device, chunk_bytes: int) -> None:
-        self.device, self.chunk_bytes = device, chunk_bytes
-        self._buffer: torch.Tensor | None = None
-
-    def needed(self, chunk: torch.Tensor) -> bool:
-        return chunk.device != self.device
-
-    def _view(self, nbytes: int) -> torch.Tensor:
-        if self._buffer is None:
-            self._buffer = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
-        return self._buffer[:nbytes]
-
-    def outgoing(self, chunk: torch.Tensor, posted: deque[PendingWork]) -> torch.Tensor:
-        if not self.needed(chunk):
-            return chunk
-        while posted:  # the buffer may still be on the wire
-            posted.popleft().wait()
-        view = self._view(chunk.numel())
-        view.copy_(chunk)
-        return view
-
-    def incoming(self, chunk: torch.Tensor) -> torch.Tensor:
-        return self._view(chunk.numel()) if self.needed(chunk) else chunk
+    def __call__(self, index: int) -> torch.Tensor:
+        if self._last is None or self._last[0] != index:
+            self._last = (index, as_bytes(self._tensors[index]))
+        return self._last[1]
 
 
 def _checksum(chunk: torch.Tensor, index: int) -> int:
