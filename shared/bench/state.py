@@ -147,17 +147,19 @@ def trainmover(
     """`repeats` drains of the machine holding m0's role (each to the machine the one
     before drained, back from its maintenance and warm) and then (`failure`) a SIGKILL
     of that machine, through the whole system."""
-    planned: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"planned": []}
     with ServicesJob(config, run_dir, standbys=1, maintenance_s=1.0) as tm:
         for i in range(repeats):
-            planned.append(tm.planned(tm.settle(warm_steps, returned=i > 0)))
-        unplanned = [tm.failure(tm.settle(warm_steps))] if failure else []
+            out["planned"].append(tm.planned(tm.settle(warm_steps, returned=i > 0)))
+        if failure:
+            out["failure"] = tm.failure(tm.settle(warm_steps))
         plans = {p.event_id: p.plan_id for p in tm.progress if p.plan_id}
-    for row in planned:
-        row["memory"] = peaks(run_dir / "run", plans[row["event_id"]], {"commit", "transferring"})
-    for row in unplanned:
-        row["memory"] = peaks(run_dir / "run", plans[row["event_id"]], {"transferring"})
-    return {"planned": planned, **({"failure": unplanned[0]} if failure else {})}
+    measured = [(row, {"commit", "transferring"}) for row in out["planned"]]
+    if failure:
+        measured.append((out["failure"], {"transferring"}))
+    for row, starts in measured:
+        row["memory"] = peaks(run_dir / "run", plans[row["event_id"]], starts)
+    return out
 
 
 def peaks(logs: Path, plan_id: str, starts: set[str]) -> dict[str, dict[str, float]]:
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace) -> Result:
                 args.warm_steps,
                 args.repeats,
                 failure=False,
-            ),  # fmt: skip
+            ),
             "ckpt": partial(checkpoint_restart, config, run_dir / f"ckpt-{label}", args.warm_steps),
         }
         for name, fn in systems.items():

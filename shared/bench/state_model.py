@@ -4,8 +4,9 @@ the projection of the measured model to a large job.
 A row's memory overheads are peak resident memory (VmHWM) once a migration is over minus
 the peak as its transfer started: what the transfer added on top of everything the rank
 had needed before, training included; the worst of the size's planned migrations. Its
-times and throughputs are their medians (`ratio_to_link_samples`: each one's ratio). `overhead_budget_mib` is the issue's bound: one
-chunk buffer plus 5 % of the rank's steady peak.
+times and throughputs are their medians (`ratio_to_link_samples`: each one's ratio).
+`overhead_budget_mib` is the issue's bound: one chunk buffer plus 5 % of the rank's
+steady peak.
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ def _planned(samples: list[dict[str, Any]], size: int, chunk_mib: float) -> dict
             "transfer_s": transfer,
             "transfer_wait_s": joiner.get("transfer_wait_s"),
             "transfer_phase_s": planned["phases_s"].get("transfer"),
-            "transfer_gbps": gbps(size, transfer),
             "normal_step_s": planned["normal_step_s"],
             "planned_downtime_s": downtime,
             "planned_over_transfer_s": (
@@ -91,7 +91,7 @@ def _planned(samples: list[dict[str, Any]], size: int, chunk_mib: float) -> dict
         worst = key.endswith("_overhead_mib") or key == "steady_peak_mib"
         out[key] = _worst(values) if worst else _median(values)
     out["transfer_gbps"] = gbps(size, out["transfer_s"])
-    out["transfer_gbps_samples"] = [e["transfer_gbps"] for e in each]
+    out["transfer_gbps_samples"] = [gbps(size, e["transfer_s"]) for e in each]
     out["overhead_budget_mib"] = round(chunk_mib + 0.05 * out["steady_peak_mib"], 1)
     return out
 
