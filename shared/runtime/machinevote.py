@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainmover.runtime.storeclient import ABSENT, Store
+from trainmover.runtime.tcpstore import connect, serve
 
 HOST = "127.0.0.1"
 """The machine's ranks share a host: the store listens on loopback."""
@@ -31,7 +32,7 @@ HOST = "127.0.0.1"
 def client_of(address: str, timeout_s: float) -> dist.TCPStore:
     """A plain client of the machine's store at `address` (host:port)."""
     host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return connect(host, int(port), timeout_s)
 
 
 class MachineStore:
@@ -39,9 +40,7 @@ class MachineStore:
     own thread, in local rank 0's process)."""
 
     def __init__(self) -> None:
-        self._server = dist.TCPStore(
-            HOST, 0, is_master=True, wait_for_workers=False, use_libuv=True
-        )
+        self._server = serve(HOST)
         self.address = f"{HOST}:{self._server.port}"
 
 

@@ -23,13 +23,13 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from trainmover.ports import store_addresses
 from trainmover.runtime.shardvote import SHARDS_KEY
 from trainmover.runtime.storeclient import ROLE_KEY, SERVING, STANDBY, UNKNOWN, Look
+from trainmover.runtime.tcpstore import serve
 
 #: Seconds between two looks at the other replicas.
 POLL_S = 0.1
@@ -62,13 +62,7 @@ class RendezvousHost:
             raise ValueError("replicas with shards need a fixed port (theirs follow it)")
 
         def server(at: int) -> dist.TCPStore:
-            return dist.TCPStore(
-                host,
-                at,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=timeout_s),
-            )
+            return serve(host, at, timeout_s)
 
         self._store = server(port)
         self.port = self._store.port

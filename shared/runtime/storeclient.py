@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from trainmover.ports import store_addresses
 from trainmover.runtime.steptime import WAITS
+from trainmover.runtime.tcpstore import connect, spares_of
 
 #: Where each replica names its role ("serving <incarnation>" or "standby <incarnation>").
 ROLE_KEY = "__trainmover/replica"
@@ -111,9 +112,7 @@ class Look:
             if self.client is None:
                 if not reachable(self.host, self.port):
                     return None
-                self.client = dist.TCPStore(
-                    self.host, self.port, is_master=False, timeout=timedelta(seconds=ANSWER_S)
-                )
+                self.client = connect(self.host, self.port, ANSWER_S, connect_s=ANSWER_S)
             if not self.client.check([ROLE_KEY]):
                 return (SERVING, "") if self.plain else None
             role, _, incarnation = self.client.get(ROLE_KEY).decode().partition(" ")
@@ -154,6 +153,9 @@ class Share:
         self.single = len(self._replicas) == 1
         plain = self.single
         self._looks = {r: Look(*r, plain=plain) for r in self._replicas}
+        # Connections to every replica opened now, off any step's path (`tcpstore`).
+        for replica in self._replicas:
+            spares_of(*replica, connect_s=CONNECT_S * 4)
         #: Called (generation, incarnation) after each move, outside the lock.
         self.on_move: list[Callable[[int, str], None]] = []
 
@@ -187,6 +189,8 @@ class Share:
             if generation == self.generation:
                 before, gone = self.incarnation, self._serving
                 self._serving = None
+                if gone is not None:
+                    spares_of(*gone).flush()  # their server went with it
                 self._find(deadline, gone)
                 if self.incarnation != before:
                     moved = (self.generation, self.incarnation or "")
@@ -355,10 +359,7 @@ class Store:
                 # whole timeout; another replica may serve). The only store is waited
                 # for: a server that stalls a few seconds is not a lost one.
                 connect_s = self.timeout_s if self.share.single else CONNECT_S * 4
-                client = dist.TCPStore(
-                    host, port, is_master=False, timeout=timedelta(seconds=connect_s)
-                )
-                client.set_timeout(timedelta(seconds=self.timeout_s))
+                client = connect(host, port, self.timeout_s, connect_s=connect_s)
                 if self.share.is_current(client, incarnation):
                     self._incarnation = incarnation
                     return client, generation
