@@ -11,6 +11,7 @@ after the recovery. The lazily built world group of a TP/PP layout is keyed by t
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -40,6 +41,11 @@ class VoteEpochs:
         self.voted = self.discarded = self.committed_in_flight = False
         self.block_in = ""  # fault injection only (control `block`)
         core.signal.on_failure = self._on_collective_failure
+        #: Sets up the machine's share of the vote as soon as the rank has a role (a
+        #: joiner: at its plan's prepare or recover), so that the connections it opens
+        #: are not on the path of the switch (`trainmover.runtime.tcpstore`).
+        self._machine_ahead: threading.Thread | None = None
+        core.on_role.append(self._set_up_ahead)
 
     def new_world(self, role: Role) -> LazyWorld:
         """The world group of a TP/PP layout (`trainmover.runtime.world`); its slot is the
@@ -72,7 +78,10 @@ class VoteEpochs:
         if self.agreement is None:
             lay, role = core.config.layout, core.accepted.role
             assert role is not None
-            self.machine = self._machine_tally()
+            if self._machine_ahead is not None:
+                self._machine_ahead.join()
+            if self.machine is None:
+                self.machine = self._machine_tally()
             self.agreement = CommitAgreement(
                 core.store_address,
                 core.config.job,
@@ -99,6 +108,24 @@ class VoteEpochs:
         self.agreement.reset(epoch, committed)
         assert self.stalls is not None
         self.stalls.board.progress = Progress(epoch=epoch, step=committed, voted=committed)
+
+    def _set_up_ahead(self) -> None:
+        core = self.core
+        if (
+            self._machine_ahead is not None
+            or not core.config.runtime.commit_agreement
+            or not core.store_address
+        ):
+            return
+
+        def set_up() -> None:
+            try:
+                self.machine = self._machine_tally()
+            except RuntimeError as err:  # `new_epoch` tries again, on its own path
+                core.log.warning("machine_tally_ahead_failed", error=str(err))
+
+        self._machine_ahead = threading.Thread(target=set_up, name="tally-ahead", daemon=True)
+        self._machine_ahead.start()
 
     def _machine_tally(self) -> MachineTally | None:
         """The machine's share of the vote, where it has several ranks (and a launch
