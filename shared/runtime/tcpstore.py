@@ -35,6 +35,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from trainmover.runtime.storegate import local_end
+
 #: Connections each process keeps open and idle to each store server it uses.
 SPARES = 4
 #: Connects a caller that finds no idle connection starts beside those in flight: the
@@ -90,8 +92,12 @@ def serve(host: str, port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
 class Spares:
     """Connections to one store server, opened ahead of need on background threads."""
 
-    def __init__(self, host: str, port: int, connect_s: float, keep: int = SPARES):
+    def __init__(
+        self, host: str, port: int, connect_s: float, keep: int = SPARES, gated: bool = True
+    ):
         self.host, self.port, self.connect_s, self.keep = host, port, connect_s, keep
+        #: A store that may sit behind a gate (`storegate`): the job's, not a machine's.
+        self.gated = gated
         self._ready: list[dist.TCPStore] = []
         self._opening = 0
         self._cond = threading.Condition()
@@ -100,9 +106,10 @@ class Spares:
 
     def _open_one(self) -> None:
         try:
+            host, port = local_end(self.host, self.port) if self.gated else (self.host, self.port)
             client = dist.TCPStore(
-                self.host,
-                self.port,
+                host,
+                port,
                 is_master=False,
                 timeout=timedelta(seconds=self.connect_s),
             )
@@ -169,19 +176,30 @@ _SPARES: dict[tuple[str, int], Spares] = {}
 _SPARES_LOCK = threading.Lock()
 
 
-def spares_of(host: str, port: int, connect_s: float = 30.0) -> Spares:
-    """This process's spare connections to the store at host:port, opening them now."""
+def spares_of(host: str, port: int, connect_s: float = 30.0, gated: bool = True) -> Spares:
+    """This process's spare connections to the store at host:port, opening them now
+    (`gated`: through its gate, where the job's stores have one)."""
     with _SPARES_LOCK:
         spares = _SPARES.get((host, port))
         if spares is None:
-            spares = _SPARES[(host, port)] = Spares(host, port, connect_s)
+            spares = _SPARES[(host, port)] = Spares(host, port, connect_s, gated=gated)
             spares.fill()
         return spares
 
 
-def connect(host: str, port: int, timeout_s: float, connect_s: float = 30.0) -> dist.TCPStore:
+def forget(host: str, port: int) -> None:
+    """The store at host:port is gone for good: its spare connections are dropped."""
+    with _SPARES_LOCK:
+        spares = _SPARES.pop((host, port), None)
+    if spares is not None:
+        spares.flush()
+
+
+def connect(
+    host: str, port: int, timeout_s: float, connect_s: float = 30.0, gated: bool = True
+) -> dist.TCPStore:
     """A client of the store at host:port, of the caller's own, taken from this process's
     spare connections; its operations time out after `timeout_s`."""
-    client = spares_of(host, port, connect_s).take(max(timeout_s, connect_s))
+    client = spares_of(host, port, connect_s, gated).take(max(timeout_s, connect_s))
     client.set_timeout(timedelta(seconds=timeout_s))
     return client
