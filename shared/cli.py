@@ -127,43 +127,59 @@ async def _watch(args: argparse.Namespace) -> int:
 
 
 async def _up(args: argparse.Namespace) -> int:
-    from trainmover.stack import Stack
+    from trainmover.stack import Stack, available_services
+    from trainmover.stackports import ServiceStartError, fixed_http_ports
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     machines = args.auth_machines.split(",") if args.auth_machines else None
-    async with Stack(
-        nats_url=args.nats_url,
-        store_dir=args.store_dir,
-        job_config=args.job_config,
-        run_dir=args.run_dir,
-        fixed_ports=True,
-        auth=args.auth,
-        auth_machines=machines,
-        nats_cluster=args.nats_cluster,
-        rules=args.rules,
-        store_replicas=args.store_replicas,
-        store_shards=args.store_shards,
-    ) as stack:
-        print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
-        if stack.operator_creds is not None:
-            print(f"export TRAINMOVER_NATS_CREDS={stack.operator_creds}", flush=True)
-        page = await _status_page(stack, args.status_port)
-        print(
-            f"trainmover up: running {', '.join(stack.running) or 'bus only'}; "
-            "Ctrl-C stops everything",
-            file=sys.stderr,
-            flush=True,
-        )
+    http_ports = None
+    if args.fixed_ports is not None:
         try:
-            await stack.wait(stop)
-        finally:
-            if page is not None:
-                await page.stop()
-                await page.view.nc.close()
+            http_ports = fixed_http_ports(available_services(), args.fixed_ports or None)
+        except ValueError as err:
+            raise CliError(str(err)) from None
+    try:
+        async with Stack(
+            nats_url=args.nats_url,
+            store_dir=args.store_dir,
+            job_config=args.job_config,
+            run_dir=args.run_dir,
+            http_ports=http_ports,
+            auth=args.auth,
+            auth_machines=machines,
+            nats_cluster=args.nats_cluster,
+            rules=args.rules,
+            store_replicas=args.store_replicas,
+            store_shards=args.store_shards,
+        ) as stack:
+            await _serve_up(stack, args, stop)
+    except ServiceStartError as err:
+        raise CliError(f"trainmover up: {err}") from None
     return 0
+
+
+async def _serve_up(stack: Any, args: argparse.Namespace, stop: asyncio.Event) -> None:
+    """Prints where everything of a started stack is, then supervises it until `stop`."""
+    print(f"export TRAINMOVER_NATS_URL={stack.url}", flush=True)
+    if stack.operator_creds is not None:
+        print(f"export TRAINMOVER_NATS_CREDS={stack.operator_creds}", flush=True)
+    for name, port in stack.http_ports.items():
+        print(f"{name}: http://127.0.0.1:{port}/metrics", flush=True)
+    page = await _status_page(stack, args.status_port)
+    print(
+        f"trainmover up: running {', '.join(stack.running) or 'bus only'}; Ctrl-C stops everything",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        await stack.wait(stop)
+    finally:
+        if page is not None:
+            await page.stop()
+            await page.view.nc.close()
 
 
 async def _status_page(stack: Any, port: int) -> Any:
@@ -311,6 +327,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     u.add_argument(
         "--status-port", type=int, default=0, help="port of the status page (default: a free one)"
+    )
+    u.add_argument(
+        "--fixed-ports",
+        type=int,
+        nargs="?",
+        const=0,
+        metavar="BASE",
+        help="serve the services' /metrics on fixed ports (a Prometheus scrape's): the "
+        "well-known 9464-9466, or BASE, BASE+1, BASE+2 (default: free ports, printed)",
     )
 
     a = sub.add_parser("auth", help="generate credentials and nats-server configs")

@@ -44,6 +44,7 @@ HEALTH: Final = MappingProxyType(
         "trainmover_health_pending_publishes": (),
         "trainmover_health_publish_errors_total": (),
         "trainmover_health_stalls_excused_total": ("job",),
+        "trainmover_health_silences_held_total": ("job",),
     }
 )
 

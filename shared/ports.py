@@ -71,6 +71,7 @@ SERVICE_FLAGS: Final = MappingProxyType(
             "--replicas",  # every replica of the store, as the sidecars name them
             "--replica-index",  # this replica's place among them
             "--store-shards",  # stores of the commit vote on the ports after --store-port
+            "--store-secret-file",  # the job's store secret: admit only clients holding it
         },
     }
 )

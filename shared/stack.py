@@ -33,20 +33,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import cast
 
-from trainmover.freeports import free_port_block, free_ports
 from trainmover.logs import get_logger
 from trainmover.natscluster import EmbeddedNatsCluster
 from trainmover.natsserver import EmbeddedNats, resolve_url
-from trainmover.ports import DEFAULT_HTTP_PORTS
 from trainmover.replication import REPLICAS_ENV
 from trainmover.runtime.config import JobConfig, load_config
+from trainmover.runtime.storegate import SECRET_ENV
 from trainmover.security.credentials import CREDS_ENV, ENV
 from trainmover.security.policy import Component, Role
+from trainmover.stackports import check_free, wait_served
+from trainmover.stackstore import REPLICA, StackStore
 
 log = get_logger("stack")
-
-#: Name prefix of the store's replica processes ("rendezvous-0", ...).
-REPLICA = "rendezvous-"
 
 
 # Start order: consumers before producers, so nothing published at start is missed.
@@ -77,7 +75,8 @@ class Stack:
     """Bus, services and (with a job config, unless `cluster` is False) the local cluster;
     an async context manager.
 
-    `service_args` adds flags per service name ("sidecar" for every sidecar). `host` is
+    `service_args` adds flags per service name ("sidecar" for every sidecar);
+    `http_ports` fixes the HTTP ports of services (default: free ones). `host` is
     the address the embedded bus and the rendezvous store listen on and everyone dials
     (loopback unless machines run apart, e.g. in network namespaces); `machine_wrap`
     gives, per machine, a command prefix for its sidecar and environment additions (how
@@ -92,7 +91,7 @@ class Stack:
         services: list[str] | None = None,
         run_dir: str | Path | None = None,
         service_args: dict[str, list[str]] | None = None,
-        fixed_ports: bool = False,
+        http_ports: dict[str, int] | None = None,
         cluster: bool = True,
         auth: bool = False,
         auth_machines: list[str] | None = None,
@@ -105,15 +104,9 @@ class Stack:
         store_replicas: int = 0,
         store_shards: int = 0,
     ) -> None:
-        if store_replicas < 0:
-            raise ValueError(f"--store-replicas {store_replicas}: not a number of replicas")
-        if store_shards < 0:
-            raise ValueError(f"--store-shards {store_shards}: not a number of shards")
         self.host = host
-        #: Replicas of the rendezvous store, each a rendezvous service process of its
-        #: own (0: one store hosted in this process), and the shards each hosts.
-        self.store_replicas, self.store_shards = store_replicas, store_shards
-        self._replica_ports: list[int] = []
+        #: The job's rendezvous store: hosted here, or its replicas' processes.
+        self.store = StackStore(host, store_replicas, store_shards)
         self._machine_wrap = machine_wrap
         self._given_url = resolve_url(nats_url)
         self._store_dir = store_dir
@@ -124,14 +117,15 @@ class Stack:
         self._service_args = service_args or {}
         #: Where each process's output goes (<name>.log); None: this process's terminal.
         self.log_dir = Path(log_dir) if log_dir else None
-        self._fixed_ports = fixed_ports
+        #: The services' fixed HTTP ports (None: each takes a free one).
+        self._fixed_http = http_ports or {}
+        #: The HTTP port each service serves on, once it serves (`trainmover.stackports`).
+        self.http_ports: dict[str, int] = {}
         self._cluster = cluster
         self._nats: EmbeddedNats | None = None
         self._nats_cluster_size = nats_cluster
         #: The embedded JetStream cluster (with `nats_cluster` > 1).
         self.nats_cluster: EmbeddedNatsCluster | None = None
-        self._rendezvous: object | None = None
-        self.rendezvous_address = ""
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self.machines: dict[str, asyncio.subprocess.Process] = {}
         self.url = ""
@@ -218,10 +212,12 @@ class Stack:
         embedded = self._nats is not None or self.nats_cluster is not None
         log.info("bus_ready", url=self.url, embedded=embedded, auth=self.auth)
         try:
+            check_free(self._fixed_http)
             for name in self._services:
                 await self._spawn(name)
             if self.config is not None and self._cluster:
                 await self._start_cluster(self.config)
+            await self._wait_served()
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
@@ -234,9 +230,10 @@ class Stack:
         if self._job_config:
             args += ["--job-config", self._job_config]
         # Sidecars share a host here, so they always take free ports; the services take
-        # their well-known ones (for a Prometheus scrape) when asked.
-        port = DEFAULT_HTTP_PORTS[name] if self._fixed_ports and name != "sidecar" else 0
-        args += ["--http-port", str(port)]
+        # fixed ones (for a Prometheus scrape) when asked.
+        args += ["--http-port", str(self._fixed_http.get(name, 0))]
+        if name != "sidecar":
+            args += ["--port-file", str(self._port_file(name))]
         if name == "health-monitor":
             # Machines starting together on a small host take seconds before their first
             # heartbeat (each imports torch); do not take that for a failure.
@@ -245,8 +242,15 @@ class Stack:
                 args += ["--rules", self.rules]
         return args + list(extra) + self._service_args.get(name, [])
 
+    @property
+    def rendezvous_address(self) -> str:
+        """HOST:PORT[,...] of the job's store replicas, as the sidecars dial them."""
+        return self.store.address
+
     def _service_env(self, name: str, machine: str | None = None) -> dict[str, str]:
         env = {**os.environ, "TRAINMOVER_NATS_URL": self.url}
+        if self.store.secret_file is not None and name == "sidecar":
+            env[SECRET_ENV] = str(self.store.secret_file)  # its workers inherit it
         if self.auth:
             # Each process gets its own identity, never the operator's credentials.
             keep = (ENV + "URL", REPLICAS_ENV)
@@ -275,34 +279,36 @@ class Stack:
             if out is not None:
                 out.close()  # the child holds its own descriptor
 
+    def _port_file(self, name: str) -> Path:
+        return self.run_dir / "ports" / f"{name}.port"
+
+    async def _wait_served(self) -> None:
+        """Returns once every service serves (self.http_ports); ServiceStartError naming
+        the first that exited before it did, and the port it could not bind."""
+        names = [n for n in self._services if not n.startswith(REPLICA)]
+        ports = await asyncio.gather(
+            *(
+                wait_served(n, self._procs[n], self._port_file(n), self._fixed_http.get(n))
+                for n in names
+            )
+        )
+        self.http_ports = dict(zip(names, ports, strict=True))
+        log.info("services_serving", ports=self.http_ports)
+
     async def _spawn(self, name: str) -> None:
         if name.startswith(REPLICA):
-            args, env = self._replica_args(int(name[len(REPLICA) :])), dict(os.environ)
+            args = self.store.replica_args(sys.executable, int(name[len(REPLICA) :]))
+            env = dict(os.environ)
         else:
+            self._port_file(name).parent.mkdir(parents=True, exist_ok=True)
+            self._port_file(name).unlink(missing_ok=True)
             args, env = self._args(name), self._service_env(name)
         self._procs[name] = await self._exec(args, env, name)
         log.info("service_started", service=name, pid=self._procs[name].pid)
 
-    def _replica_args(self, index: int) -> list[str]:
-        """Replica `index` of the store: a rendezvous service on its fixed port (it needs
-        no bus and no credentials)."""
-        return [
-            sys.executable, "-m", "trainmover.cli", "service", "rendezvous",
-            "--store-host", self.host, "--http-port", "0",
-            "--replicas", self.rendezvous_address, "--replica-index", str(index),
-            "--store-shards", str(self.store_shards),
-        ]  # fmt: skip
-
     def serving_replica(self) -> tuple[str, str]:
         """The store replica that serves now ("rendezvous-<i>") and its incarnation."""
-        from trainmover.runtime.storeclient import SERVING, probe
-
-        for _ in range(3):  # a look can fail on a loaded host
-            for i, port in enumerate(self._replica_ports):
-                seen = probe(self.host, port)
-                if seen is not None and seen[0] == SERVING:
-                    return f"{REPLICA}{i}", seen[1]
-        raise RuntimeError("no replica of the rendezvous store serves")
+        return self.store.serving_replica()
 
     async def restart_service(self, name: str, kill: bool = True) -> None:
         """Kills (or stops) one service and starts it again, as a crash and a restart."""
@@ -333,44 +339,15 @@ class Stack:
     # --- local cluster ---------------------------------------------------------------------
 
     async def _start_cluster(self, config: JobConfig) -> None:
-        if self.store_replicas:
-            await self._start_replicas()
-        else:
-            from trainmover.runtime.rendezvous import RendezvousHost
+        if self.auth_dir is not None:
+            self.store.gate(self.auth_dir, config.job)
 
-            host = await asyncio.to_thread(RendezvousHost, self.host, shards=self.store_shards)
-            self._rendezvous = host
-            self.rendezvous_address = host.address
+        def exit_code(name: str) -> int | None:
+            return self._procs[name].returncode
+
+        await self.store.start(self._spawn, exit_code)
         for machine in [*config.cluster.machines, *config.cluster.standbys]:
             await self.start_machine(machine)
-
-    async def _start_replicas(self) -> None:
-        """The store's replicas, on ports fixed for the stack's life (a restarted one
-        comes back where the sidecars look for it); returns once one serves."""
-        from trainmover.runtime.storeclient import Store, StoreLost
-
-        if self.store_shards:  # each replica's shards on the ports after its own
-            per = 1 + self.store_shards
-            base = free_port_block(per * self.store_replicas, self.host)
-            self._replica_ports = [base + i * per for i in range(self.store_replicas)]
-        else:
-            self._replica_ports = free_ports(self.store_replicas, self.host)
-        self.rendezvous_address = ",".join(f"{self.host}:{p}" for p in self._replica_ports)
-        names = [f"{REPLICA}{i}" for i in range(self.store_replicas)]
-        for name in names:
-            await self._spawn(name)
-        # Each takes a few seconds to import torch and look at the others.
-        while True:
-            try:
-                await asyncio.to_thread(Store(self.rendezvous_address, 1.0).num_keys)
-                return
-            except StoreLost:
-                exited = [n for n in names if self._procs[n].returncode is not None]
-                if exited:
-                    raise RuntimeError(
-                        f"store replica {exited[0]} exited with code "
-                        f"{self._procs[exited[0]].returncode} while starting"
-                    ) from None
 
     async def start_machine(self, machine: str) -> None:
         """Starts the sidecar of `machine` (which starts its workers)."""
@@ -449,8 +426,7 @@ class Stack:
         )
         self.machines.clear()
         self._procs.clear()
-        if self._rendezvous is not None:
-            self._rendezvous.close()  # type: ignore[attr-defined]
+        self.store.close()
         if self._nats is not None:
             await asyncio.to_thread(self._nats.cleanup)
         if self.nats_cluster is not None:

@@ -275,6 +275,9 @@ class Migration:
         else:
             stayers = sorted(set(self.record.results["machines"]["recovery"]) - self.plan.joiners())
         after_machines = [*stayers, *sorted(self.plan.joiners())]
+        if not stayers:
+            # Every machine of the job was replaced: no rank's timeline spans the move.
+            return
         before = await self._all("steps", stayers, plan=False, step=k)
         after = await self._all("steps", after_machines, plan=False, step=k + 1)
         before_end = max(float(r["t_end"]) for r in before.values())

@@ -63,6 +63,15 @@ class Settings:
     a CPU, counted from its first excuse in a step; then its stall is believed (held that
     long, it holds the job as a hung machine does, and one on another host is not
     starved)."""
+    silent_fraction: float = 0.25
+    """At most this fraction of a job's watched machines (at least one) is failed from
+    silence alone within one heartbeat timeout, none while over half are silent; more
+    silent at once is a host or bus problem until a peer or the progress board names one
+    (`silence.py`)."""
+    stall_burst: int = 5
+    """Distinct stalls one machine's reports may have believed within `stall_window`
+    (a compromised sidecar reporting stall after stall must not burn the standby pool)."""
+    stall_window: float = 60.0
     dedup_window: float = 300.0
     """Seconds an incident absorbs repeats of the same machine and kind."""
     rules: str | None = None
@@ -109,12 +118,16 @@ class Settings:
             "dedup_window": self.dedup_window,
             "straggler_retry": self.straggler_retry,
             "starved_grace": self.starved_grace,
+            "stall_window": self.stall_window,
+            "stall_burst": self.stall_burst,
             "dead_letter_rate": self.dead_letter_rate,
             "publish_timeout": self.publish_timeout,
         }
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
+        if not 0 < self.silent_fraction <= 1:
+            raise ConfigError(f"silent_fraction must be in (0, 1], got {self.silent_fraction}")
         if self.straggler_factor <= 1:
             raise ConfigError(f"straggler_factor must be > 1, got {self.straggler_factor}")
         if self.straggler_steps < 1 or self.straggler_window < 1:
@@ -230,6 +243,7 @@ def parser() -> argparse.ArgumentParser:
     a("--straggler-window", type=int, help="steps per machine median (20)")
     a("--straggler-retry", type=float, metavar="S", help="re-propose a rejected straggler (30)")
     a("--starved-grace", type=float, metavar="S", help="excuse a starved silent machine (30)")
+    a("--silent-fraction", type=float, metavar="F", help="most of a job failed by silence (0.25)")
     a("--dedup-window", type=float, metavar="S", help="incident dedup window (300)")
     a("--rules", metavar="FILE", help="alert rules file (YAML or TOML)")
     a("--http-host", help="webhook/metrics listen address (0.0.0.0)")

@@ -77,6 +77,12 @@ class HealthMetrics:
             "of a CPU, not stopped (not declared failed)",
             ["job"],
         )
+        self.silences_held = r.counter(
+            "trainmover_health_silences_held_total",
+            "Lapsed machines not failed from silence alone: too many of the job were silent "
+            "at once (a host or bus problem until a peer or the progress board names one)",
+            ["job"],
+        )
         self.publish_errors = r.counter(
             "trainmover_health_publish_errors_total", "Failed publish attempts (retried)"
         )

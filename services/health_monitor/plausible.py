@@ -11,9 +11,15 @@ is plausible:
   group that an in-flight recovery rebuilds, unless it is that recovery's leaver;
 - a stall report (a voter's progress board names the ranks holding a step back) is
   believed only from a machine holding a role, about machines holding roles whose ranks
-  they are, and only while the step statistics agree: a machine that reported the step
-  done was not holding it back. A machine may name itself (a rank of it voted, and its
-  other rank is blocked or stuck): it can stop its own training anyway;
+  they are and that share a group of the layout with the reporter (the peers a rank
+  waits on in its collectives; every culprit of a real stall has such peers, and each
+  of them reports it), only for a step the job has reached (at most `STALL_LEAD` past
+  the furthest step any machine reported done: a voter waits on the step after its
+  last) while no machine reported a step done for `STALL_QUIET_S`, and only while the
+  step statistics agree: a machine that reported the step done was not holding it back. A machine may name itself (a rank of it voted, and its
+  other rank is blocked or stuck): it can stop its own training anyway. A reporter's
+  believed stalls are rate-limited (`ReportRate`), so that a compromised sidecar cannot
+  burn the standby pool by reporting stall after stall;
 - step statistics advance within bounds: a machine's step may run at most `max_lead`
   steps ahead of the other machines of the job (synchronous training keeps them within
   a step or two), so a stream that jumps to step 10,000,000 is not believed, and it
@@ -82,14 +88,51 @@ def collective_error_problem(state: ClusterState, report: CollectiveErrorReport)
     return None
 
 
+#: Steps a stall report's step may lie past the furthest step a machine of the job
+#: reported done: a voter waits on the step after its last, and the step statistics of
+#: the last step or two may still be on their way.
+STALL_LEAD = 2
+#: Seconds without any step reported done before a stall is believed: a real report
+#: came after its voters waited out the stall threshold (at least `runtime.stall_floor_s`,
+#: 1.5 s) with no step done anywhere in the job; half of that leaves room for statistics
+#: of the last step still on their way.
+STALL_QUIET_S = 0.75
+
+
+def peers_of(state: ClusterState, machine: str) -> set[str]:
+    """The machines that share a group of the layout with `machine` now (itself too)."""
+    m = state.machines.get(machine)
+    if m is None or m.cell is None:
+        return set()
+    layout = state.layout
+    peers = {machine}
+    for role in layout.roles_of(m.cell):
+        for kind in layout.role_group_kinds:
+            peers |= group_machines(state, layout.group_name(kind, role)) or set()
+    return peers
+
+
 def stall_problem(
-    state: ClusterState, report: StallReport, last_step: dict[str, int]
+    state: ClusterState, report: StallReport, last_step: dict[str, int], quiet_s: float | None
 ) -> str | None:
-    """Why `report` is not believed (`last_step`: each machine's last believed step)."""
+    """Why `report` is not believed. `last_step`: each machine's last believed step;
+    `quiet_s`: seconds since the last of them arrived (both empty after a restart of the
+    monitor, when neither can be judged yet)."""
     layout = state.layout
     reporter = state.machines.get(report.machine)
     if reporter is None or reporter.cell is None or reporter.status not in HOLDING:
         return f"{report.machine} holds no role: it has no vote to wait on"
+    if quiet_s is not None and quiet_s < STALL_QUIET_S:
+        return (
+            f"the job is not stalled: a machine reported a step done {quiet_s:.2f}s ago "
+            f"(a stalled job reports none for {STALL_QUIET_S:g}s)"
+        )
+    if last_step and report.step > max(last_step.values()) + STALL_LEAD:
+        return (
+            f"step {report.step} is not the job's: its furthest machine reported step "
+            f"{max(last_step.values())} done"
+        )
+    peers = peers_of(state, report.machine)
     for machine, ranks in sorted(report.culprits.items()):
         m = state.machines.get(machine)
         if m is None or m.cell is None or m.status not in HOLDING:
@@ -97,9 +140,39 @@ def stall_problem(
         own = {layout.global_rank(role) for role in layout.roles_of(m.cell)}
         if not set(ranks) <= own:
             return f"ranks {sorted(set(ranks) - own)} are not {machine}'s"
+        if machine not in peers:
+            return (
+                f"{machine} shares no group with {report.machine}: "
+                f"{report.machine} does not wait on it"
+            )
         if last_step.get(machine, -1) >= report.step:
             return f"{machine} reported step {last_step[machine]} done: not held back"
     return None
+
+
+@dataclass
+class ReportRate:
+    """How many distinct stalls (epoch, step) each reporter may have believed within a
+    window; the repeats of one stall (a voter reports it at each threshold) are free."""
+
+    burst: int = 3
+    window_s: float = 300.0
+    _seen: dict[tuple[str, str], dict[tuple[str, int], float]] = field(default_factory=dict)
+
+    def check(self, job: str, reporter: str, epoch: str, step: int, now: float) -> str | None:
+        """Why this stall of `reporter` is not believed now (None: it is, and counted)."""
+        seen = self._seen.setdefault((job, reporter), {})
+        for key in [k for k, at in seen.items() if now - at > self.window_s]:
+            del seen[key]
+        if (epoch, step) in seen:
+            return None
+        if len(seen) >= self.burst:
+            return (
+                f"{reporter} reported {len(seen)} stalls within {self.window_s:g}s "
+                f"(at most {self.burst}): not believed until the oldest is {self.window_s:g}s old"
+            )
+        seen[(epoch, step)] = now
+        return None
 
 
 @dataclass

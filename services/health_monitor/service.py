@@ -314,8 +314,8 @@ class HealthMonitor:
                     deaf = False
                     self.tracker.rebase(time.monotonic())
                     log.info("heartbeat_deadlines_rebased", reason="reconnected to the bus")
-                for lapse in self.tracker.lapsed(time.monotonic()):
-                    signals.on_lapse(lapse)
+                now = time.monotonic()
+                signals.on_lapses(self.tracker.lapsed(now), now)
                 n += 1
                 if n % expire_every == 0 and self.emitter is not None:
                     self.emitter.expire()

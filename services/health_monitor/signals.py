@@ -33,12 +33,14 @@ from trainmover.services.health_monitor.events import event_id
 from trainmover.services.health_monitor.heartbeats import HeartbeatTracker, Lapse, abnormal_exits
 from trainmover.services.health_monitor.metrics import HealthMetrics
 from trainmover.services.health_monitor.plausible import (
+    ReportRate,
     StepBounds,
     collective_error_problem,
     stall_problem,
 )
 from trainmover.services.health_monitor.reexamine import reason_to_ask_again
 from trainmover.services.health_monitor.roster import Roster
+from trainmover.services.health_monitor.silence import SilenceGate
 from trainmover.services.health_monitor.starvation import FRESH_S, CpuEvidence, Excuses
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.subjects import JobSubjects
@@ -73,11 +75,18 @@ class Signals:
         self._reject = reject
         self.cpu = CpuEvidence(fresh_s=max(2 * settings.heartbeat_interval, FRESH_S))
         self.excuses = Excuses()
+        #: When each job's last believed step statistics arrived (monotonic).
+        self._stats_heard: dict[str, float] = {}
+        self.rates = ReportRate(settings.stall_burst, settings.stall_window)
+        self.silence = SilenceGate(
+            settings.silent_fraction, settings.heartbeat_timeout, settings.heartbeat_interval
+        )
 
     def forget(self, job: str, machine: str) -> None:
         """Drops what the starvation checks kept of a machine the planner settled."""
         self.cpu.forget(job, machine)
         self.excuses.forget(job, machine)
+        self.silence.heard(job, machine)
 
     def _known(self, job: str, machine: str, subject: str, data: bytes, what: str) -> bool:
         """True when the machine is in the job's state; rejects it otherwise."""
@@ -116,6 +125,13 @@ class Signals:
         if not self.tracker.is_watched(job, hb.machine):
             return  # failed / maintenance: already settled, its heartbeats mean nothing
         if recovered:
+            if self.silence.heard(job, hb.machine):
+                log.info(
+                    "silence_cleared",
+                    job=job,
+                    machine=hb.machine,
+                    reason="heard again while its silence was held: nothing moved",
+                )
             log.info(
                 "machine_recovered",
                 job=job,
@@ -153,6 +169,7 @@ class Signals:
         if problem is not None:
             self._reject(job, msg.subject, msg.data, problem, "implausible_stats", stats.machine)
             return
+        self._stats_heard[job] = time.monotonic()
         state = self.roster.state(job)
         if state is not None and state.in_flight:
             # A migration's phase 1 builds groups in the background and slows the
@@ -251,11 +268,15 @@ class Signals:
         state = self.roster.state(job)
         if state is None:
             return
-        problem = stall_problem(state, report, self.steps.last(job))
+        now = time.monotonic()
+        heard = self._stats_heard.get(job)
+        quiet = None if heard is None else now - heard
+        problem = stall_problem(state, report, self.steps.last(job), quiet) or self.rates.check(
+            job, report.machine, report.epoch, report.step, now
+        )
         if problem is not None:
             self._reject(job, msg.subject, msg.data, problem, "implausible_report", report.machine)
             return
-        now = time.monotonic()
         for culprit in sorted(report.culprits):
             reason = report.reason
             silent = culprit in report.silent
@@ -304,6 +325,23 @@ class Signals:
             state.job, machine, [0], now
         )
         return "; ".join(map(str, found)) if found else None
+
+    def on_lapses(self, lapses: list[Lapse], now: float) -> None:
+        """New lapses and those held: each believed one fails its machine (`silence`)."""
+        verdict = self.silence.judge(lapses, now, lambda job: len(self.tracker.watched(job)))
+        for lapse in verdict.withheld:
+            held = self.silence.held(lapse.job)
+            log.warning(
+                "silence_held",
+                job=lapse.job,
+                machine=lapse.machine,
+                silent=held,
+                reason=f"{len(held)} of the job's {len(self.tracker.watched(lapse.job))} "
+                "machines silent at once: a host or bus problem until a peer names one",
+            )
+            self.metrics.silences_held.labels(job=lapse.job).inc()
+        for lapse in verdict.believed:
+            self.on_lapse(lapse)
 
     def on_lapse(self, lapse: Lapse) -> None:
         if lapse.last_seen is None:

@@ -47,14 +47,24 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _build(args: argparse.Namespace) -> OnBus:
+    from trainmover.bus.connection import resolve_auth
     from trainmover.services.planner.decisions import Planner
     from trainmover.services.planner.service import PlannerService
 
+    cluster = args.config.cluster
+    members = frozenset([*cluster.machines, *cluster.standbys])
+    # Credentials configured: the bus checks them (a component refuses one that does
+    # not), so a heartbeat's subject names its sender; otherwise anyone may publish.
+    open_bus = not resolve_auth(args.nats_url or "", None).configured
     return OnBus(
         "planner",
         args,
         lambda nc: PlannerService(
-            nc, args.config, Planner(args.straggler_cooldown), args.rebalance_interval
+            nc,
+            args.config,
+            Planner(args.straggler_cooldown, members=members),
+            args.rebalance_interval,
+            open_bus=open_bus,
         ),
     )
 

@@ -43,6 +43,7 @@ from trainmover.metrics import Registry
 from trainmover.runtime.config import JobConfig
 from trainmover.services.planner.cluster import initial_state
 from trainmover.services.planner.decisions import Outcome, Planner
+from trainmover.services.planner.incarnation import InstanceCheck
 from trainmover.services.planner.pool import RETURNING
 from trainmover.subjects import STATE_KEY, JobSubjects
 from trainmover.tasks import cancel_and_wait
@@ -64,6 +65,7 @@ class PlannerService:
         planner: Planner | None = None,
         rebalance_interval_s: float | None = None,
         metrics: Registry | None = None,
+        open_bus: bool = False,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -74,6 +76,8 @@ class PlannerService:
             members=frozenset([*config.cluster.machines, *config.cluster.standbys])
         )
         self._refused: dict[str, str] = {}  # machine -> why its last heartbeat was turned away
+        #: On an open bus, who may announce a machine's new instance (`incarnation`).
+        self._instances = InstanceCheck(nc, config.job) if open_bus else None
         self._rebalance_interval_s = rebalance_interval_s
         self._kv: KeyValue | None = None
         self._state: ClusterState | None = None
@@ -158,6 +162,8 @@ class PlannerService:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks, owner="planner")
+        if self._instances is not None:
+            await self._instances.close()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()  # type: ignore[attr-defined]
@@ -299,6 +305,14 @@ class PlannerService:
                     "heartbeat_refused", job=self._job, machine=beat.machine, reason=outcome.refused
                 )
             return
+        returning = current is None or current.status in RETURNING
+        if (
+            self._instances is not None
+            and returning
+            and beat.status == "standby"
+            and not self._instances.believed(beat, msg.data, msg.subject)
+        ):
+            return  # taken in with a heartbeat after its sidecar answered under it
         self._refused.pop(beat.machine, None)
         await self._decide(
             lambda s: self._planner.on_heartbeat(s, beat, time.time()), machine=beat.machine

@@ -22,8 +22,10 @@ Modules, one job each:
 from __future__ import annotations
 
 import argparse
+import os
 
 from trainmover.ports import DEFAULT_HTTP_PORTS, RENDEZVOUS_PORT, store_addresses
+from trainmover.runtime.storegate import SECRET_ENV, read_secret
 from trainmover.service import Service, SettingsError, http_parser, parse, run_service
 
 
@@ -72,7 +74,21 @@ def _load(argv: list[str] | None) -> argparse.Namespace:
         help="host N more stores for the per-step commit vote, on the N ports after "
         "--store-port (each replica alike); for jobs of many machines (docs/runtime.md)",
     )
+    p.add_argument(
+        "--store-secret-file",
+        default=None,
+        metavar="FILE",
+        help="the job's store secret (default $TRAINMOVER_STORE_SECRET_FILE): the store "
+        "then admits only clients that hold it (`trainmover up --auth` writes one)",
+    )
     args = parse(p, argv, needs_bus=False)
+    args.store_secret = None
+    secret_file = args.store_secret_file or os.environ.get(SECRET_ENV)
+    if secret_file:
+        try:
+            args.store_secret = read_secret(secret_file)
+        except (OSError, ValueError) as err:
+            raise SettingsError(f"--store-secret-file: {err}") from None
     if args.store_port is not None and not 0 <= args.store_port <= 65535:
         raise SettingsError(f"--store-port {args.store_port}: not a port")
     args.peers = _peers(args)

@@ -20,7 +20,9 @@ from trainmover.httpserver import HttpServer, serve_observability
 from trainmover.logs import get_logger
 from trainmover.metric_names import RENDEZVOUS_KEYS, RENDEZVOUS_SERVING
 from trainmover.metrics import Registry
+from trainmover.ports import store_addresses
 from trainmover.runtime.rendezvous import RendezvousHost
+from trainmover.runtime.storegate import register
 from trainmover.service import write_port_file
 
 log = get_logger("rendezvous")
@@ -45,15 +47,22 @@ class RendezvousService:
         # Everywhere means this machine's name for the clients (informational: sidecars
         # are given the address by their deployment).
         advertise = socket.gethostname() if a.store_host in ("0.0.0.0", "::") else None
+        if a.store_secret is not None:
+            # Its looks at the other replicas (and their shards) pass their gates.
+            for peer, port in (store_addresses(p)[0] for p in a.peers):
+                for at in range(port, port + 1 + a.store_shards):
+                    register(peer, at, a.store_secret)
         host = await asyncio.to_thread(
-            RendezvousHost,
-            a.store_host,
-            a.store_timeout,
-            a.store_port,
-            advertise,
-            a.peers,
-            a.replica_index,
-            a.store_shards,
+            lambda: RendezvousHost(
+                a.store_host,
+                a.store_timeout,
+                a.store_port,
+                advertise,
+                a.peers,
+                a.replica_index,
+                a.store_shards,
+                secret=a.store_secret,
+            )
         )
         self._host = host
         self._http = await serve_observability(self.metrics, self.health, a.http_host, a.http_port)

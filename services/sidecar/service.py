@@ -355,7 +355,7 @@ class Sidecar:
             self._status = "leaving"
         result = await asyncio.to_thread(w.handle, command, timeout)
         if op == "status":
-            result |= {"status": self._status,
+            result |= {"status": self._status, "instance": self._instance,
                        "workers": [x.model_dump() for x in w.worker_status()]}  # fmt: skip
         if op == "transfer" and "joiner" in result["parts"]:  # type: ignore[operator]
             self._status = "active"

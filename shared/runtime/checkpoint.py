@@ -50,17 +50,43 @@ def write(root: Path, role: Role, state: TrainingState) -> Path:
     return path
 
 
+class NoCheckpoint(RuntimeError):
+    """A checkpoint restore with no checkpoint of some role to restore: the job cannot go
+    on from saved state, and must not start over from step 0 unnoticed."""
+
+
 def agree_step(
-    store: Store, prefix: str, role: Role, roles: list[Role], root: Path, timeout_s: float
+    store: Store,
+    prefix: str,
+    role: Role,
+    roles: list[Role],
+    root: Path,
+    timeout_s: float,
+    every: int = 0,
 ) -> int:
     """The newest step every role of the job has a checkpoint of. Each rank publishes its
     role's newest step under `prefix` (the joiner publishes the dead role's), then all
-    read all and take the minimum, so every rank loads the same step."""
+    read all and take the minimum, so every rank loads the same step. NoCheckpoint, on
+    every rank alike, when some role has none (`every`: runtime.checkpoint_every, for
+    the message)."""
     newest = steps_of(root, role)
     store.set(f"{prefix}ckpt/{role.key}", json.dumps(newest[-1] if newest else 0))
     keys = [f"{prefix}ckpt/{r.key}" for r in roles]
     store.wait(keys, timedelta(seconds=timeout_s))
-    return min(int(json.loads(store.get(k))) for k in keys)
+    steps = {r.key: int(json.loads(store.get(k))) for r, k in zip(roles, keys, strict=True)}
+    missing = sorted(key for key, step in steps.items() if step == 0)
+    if missing:
+        why = (
+            "the job writes none (runtime.checkpoint_every is 0)"
+            if every == 0
+            else f"none was written yet (runtime.checkpoint_every is {every})"
+        )
+        raise NoCheckpoint(
+            f"no state to recover from: no live data-parallel replica of the failed roles, "
+            f"and no checkpoint of {', '.join(missing)} in {root}: {why}; the job stops "
+            "here instead of starting over from step 0"
+        )
+    return min(steps.values())
 
 
 def load(root: Path, role: Role, step: int, state: TrainingState) -> None:

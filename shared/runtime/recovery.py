@@ -154,7 +154,13 @@ class FailureRecovery:
             lay = core.config.layout
             roles = [r for cell in lay.cells() for r in lay.roles_of(cell)]
             step = checkpoint.agree_step(
-                store, prefix, role, roles, core.checkpoint_root, core.timeout_s
+                store,
+                prefix,
+                role,
+                roles,
+                core.checkpoint_root,
+                core.timeout_s,
+                core.config.runtime.checkpoint_every,
             )
             checkpoint.load(core.checkpoint_root, role, step, state)
             source = "checkpoint"

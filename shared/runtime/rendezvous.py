@@ -15,6 +15,9 @@ With `shards` N, each replica hosts N more stores beside the job's (the per-step
 vote counts in them: `trainmover.runtime.shardvote`), on the N ports after its own, each
 a server thread of its own; they take each role with the job's store, and the job's
 store names them under SHARDS_KEY.
+
+With a `secret` every one of them listens on loopback behind a gate that admits only
+clients holding the job's store secret (`trainmover.runtime.storegate`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from trainmover.ports import store_addresses
 from trainmover.runtime.shardvote import SHARDS_KEY
 from trainmover.runtime.storeclient import ROLE_KEY, SERVING, STANDBY, UNKNOWN, Look
+from trainmover.runtime.storegate import Gate
 from trainmover.runtime.tcpstore import serve
 
 #: Seconds between two looks at the other replicas.
@@ -55,19 +59,31 @@ class RendezvousHost:
         peers: Sequence[str] = (),
         index: int = 0,
         shards: int = 0,
+        secret: bytes | None = None,
     ):
         if shards < 0:
             raise ValueError(f"{shards} store shards: not a number of shards")
         if shards and peers and not port:
             raise ValueError("replicas with shards need a fixed port (theirs follow it)")
 
-        def server(at: int) -> dist.TCPStore:
-            return serve(host, at, timeout_s)
+        #: The gates in front of the servers, with a `secret` (`storegate`).
+        self._gates: list[Gate] = []
 
-        self._store = server(port)
-        self.port = self._store.port
+        def server(at: int) -> tuple[dist.TCPStore, int]:
+            """A server, and the port its clients dial (its gate's, with a secret)."""
+            if secret is None:
+                store = serve(host, at, timeout_s)
+                return store, store.port
+            store = serve("127.0.0.1", 0, timeout_s)  # reached only through its gate
+            gate = Gate(host, at, store.port, secret)
+            self._gates.append(gate)
+            return store, gate.port
+
+        self._store, self.port = server(port)
         self.address = f"{advertise or host}:{self.port}"
-        self._shards = [server(port + 1 + s if port else 0) for s in range(shards)]
+        served = [server(port + 1 + s if port else 0) for s in range(shards)]
+        self._shards = [store for store, _ in served]
+        self._shard_ports = [at for _, at in served]
         #: Each shard's address: its replicas, in the job's order.
         self.shards = [
             ",".join(self._replica_of(s, peers, index, advertise or host)) for s in range(shards)
@@ -96,7 +112,7 @@ class RendezvousHost:
     def _replica_of(self, shard: int, peers: Sequence[str], index: int, host: str) -> list[str]:
         """Shard `shard`'s replicas: on the port after each replica's by the shard's."""
         if not peers:
-            return [f"{host}:{self._shards[shard].port}"]
+            return [f"{host}:{self._shard_ports[shard]}"]
         listed = [store_addresses(p)[0] for p in peers]
         listed.insert(index, (host, self.port))
         return [f"{h}:{p + 1 + shard}" for h, p in listed]
@@ -150,3 +166,5 @@ class RendezvousHost:
             self._closed.set()
             del self._store
             self._shards.clear()
+        for gate in self._gates:
+            gate.close()

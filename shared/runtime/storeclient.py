@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from trainmover.ports import store_addresses
 from trainmover.runtime.steptime import WAITS
+from trainmover.runtime.storegate import local_end
 from trainmover.runtime.tcpstore import connect, spares_of
 
 #: Where each replica names its role ("serving <incarnation>" or "standby <incarnation>").
@@ -87,7 +88,8 @@ def probe(host: str, port: int, plain: bool = False) -> tuple[str, str] | None:
     if not reachable(host, port):
         return None
     try:
-        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=ANSWER_S))
+        at, to = local_end(host, port)
+        client = dist.TCPStore(at, to, is_master=False, timeout=timedelta(seconds=ANSWER_S))
         if not client.check([ROLE_KEY]):
             return (SERVING, "") if plain else None
         role, _, incarnation = client.get(ROLE_KEY).decode().partition(" ")

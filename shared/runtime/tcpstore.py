@@ -35,8 +35,19 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-#: Connections each process keeps open and idle to each store server it uses.
-SPARES = 4
+from trainmover.runtime.storegate import local_end
+
+#: Connections each process keeps open and idle to each of the job's store servers: a
+#: joiner's switch opens about this many at once (its vote's three, the progress board,
+#: its group builds, the recovery's own).
+SPARES = 8
+#: Those to a machine's own vote store (a handful of its ranks' clients).
+LOCAL_SPARES = 4
+#: Seconds spares lost with their server are tried again for (a restarted replica takes
+#: seconds to import torch and come back on its port).
+REOPEN_S = 60.0
+#: Seconds between two tries of a spare whose server is not back.
+REOPEN_PAUSE_S = 0.5
 #: Connects a caller that finds no idle connection starts beside those in flight: the
 #: resolver drops queries in bursts, so one more is often stuck too.
 EXTRA = 2
@@ -90,38 +101,60 @@ def serve(host: str, port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
 class Spares:
     """Connections to one store server, opened ahead of need on background threads."""
 
-    def __init__(self, host: str, port: int, connect_s: float, keep: int = SPARES):
+    def __init__(
+        self, host: str, port: int, connect_s: float, keep: int = SPARES, gated: bool = True
+    ):
         self.host, self.port, self.connect_s, self.keep = host, port, connect_s, keep
+        #: A store that may sit behind a gate (`storegate`): the job's, not a machine's.
+        self.gated = gated
         self._ready: list[dist.TCPStore] = []
         self._opening = 0
         self._cond = threading.Condition()
         #: The last connect that failed (monotonic time, error), for a waiting `take`.
         self._failed: tuple[float, str] = (float("-inf"), "")
+        #: Set once this process forgot the server (`forget`): no more tries.
+        self._dropped = False
+        #: Counts the server's losses (`flush`): a connect begun before one is stale.
+        self._lost = 0
 
-    def _open_one(self) -> None:
-        try:
-            client = dist.TCPStore(
-                self.host,
-                self.port,
-                is_master=False,
-                timeout=timedelta(seconds=self.connect_s),
-            )
-        except RuntimeError as err:
+    def _open_one(self, until: float, lost: int) -> None:
+        """One connection; tried again, REOPEN_PAUSE_S apart, until `until` (monotonic)."""
+        while True:
+            try:
+                host, port = (
+                    local_end(self.host, self.port) if self.gated else (self.host, self.port)
+                )
+                client = dist.TCPStore(
+                    host,
+                    port,
+                    is_master=False,
+                    timeout=timedelta(seconds=self.connect_s),
+                )
+            except RuntimeError as err:
+                with self._cond:
+                    self._failed = (time.monotonic(), str(err))
+                    self._cond.notify_all()
+                    if self._dropped or time.monotonic() + REOPEN_PAUSE_S > until:
+                        self._opening -= 1
+                        return
+                time.sleep(REOPEN_PAUSE_S)  # a server coming back: nothing to await
+                continue
             with self._cond:
                 self._opening -= 1
-                self._failed = (time.monotonic(), str(err))
+                if lost == self._lost:  # else a connection to the server that went
+                    self._ready.append(client)
                 self._cond.notify_all()
             return
-        with self._cond:
-            self._opening -= 1
-            self._ready.append(client)
-            self._cond.notify_all()
 
-    def _start(self, n: int) -> None:
-        """Opens `n` more connections in the background (the condition held)."""
+    def _start(self, n: int, retry_s: float = 0.0) -> None:
+        """Opens `n` more connections in the background (the condition held), each tried
+        for `retry_s` more where its server is not there yet."""
+        until = time.monotonic() + retry_s
         for _ in range(n):
             self._opening += 1
-            threading.Thread(target=self._open_one, name="store-connect", daemon=True).start()
+            threading.Thread(
+                target=self._open_one, args=(until, self._lost), name="store-connect", daemon=True
+            ).start()
 
     def fill(self) -> None:
         """Tops the idle connections up to `keep`."""
@@ -140,14 +173,15 @@ class Spares:
                 self._start(EXTRA)
             while not self._ready:
                 failed_at, error = self._failed
-                if self._opening == 0 and failed_at >= began:
-                    # A connect that timed out on the resolver is tried again; a server
-                    # that is gone is the caller's to handle (another replica may serve).
+                if failed_at >= began:
+                    # A server that is gone is the caller's to handle (another replica
+                    # may serve); a connect that timed out on the resolver is tried again.
                     if not _listening(self.host, self.port):
                         raise dist.DistNetworkError(
                             f"no connection to the store at {self.host}:{self.port}: {error}"
                         )
-                    self._start(EXTRA)
+                    if self._opening == 0:
+                        self._start(EXTRA)
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
                     if not self._ready:
@@ -160,8 +194,18 @@ class Spares:
             return client
 
     def flush(self) -> None:
-        """Drops the idle connections (their server went): the next take opens anew."""
+        """Drops the idle connections (their server went) and opens new ones in the
+        background, tried until the server is back (REOPEN_S): a client that moves to it
+        later, as after the next loss, finds them ready."""
         with self._cond:
+            self._lost += 1
+            self._ready.clear()
+            self._start(self.keep, retry_s=REOPEN_S)
+
+    def drop(self) -> None:
+        """This process is done with the server: idle connections and tries end."""
+        with self._cond:
+            self._dropped = True
             self._ready.clear()
 
 
@@ -169,19 +213,31 @@ _SPARES: dict[tuple[str, int], Spares] = {}
 _SPARES_LOCK = threading.Lock()
 
 
-def spares_of(host: str, port: int, connect_s: float = 30.0) -> Spares:
-    """This process's spare connections to the store at host:port, opening them now."""
+def spares_of(host: str, port: int, connect_s: float = 30.0, gated: bool = True) -> Spares:
+    """This process's spare connections to the store at host:port, opening them now
+    (`gated`: through its gate, where the job's stores have one)."""
     with _SPARES_LOCK:
         spares = _SPARES.get((host, port))
         if spares is None:
-            spares = _SPARES[(host, port)] = Spares(host, port, connect_s)
+            keep = SPARES if gated else LOCAL_SPARES
+            spares = _SPARES[(host, port)] = Spares(host, port, connect_s, keep, gated)
             spares.fill()
         return spares
 
 
-def connect(host: str, port: int, timeout_s: float, connect_s: float = 30.0) -> dist.TCPStore:
+def forget(host: str, port: int) -> None:
+    """The store at host:port is gone for good: its spare connections are dropped."""
+    with _SPARES_LOCK:
+        spares = _SPARES.pop((host, port), None)
+    if spares is not None:
+        spares.drop()
+
+
+def connect(
+    host: str, port: int, timeout_s: float, connect_s: float = 30.0, gated: bool = True
+) -> dist.TCPStore:
     """A client of the store at host:port, of the caller's own, taken from this process's
     spare connections; its operations time out after `timeout_s`."""
-    client = spares_of(host, port, connect_s).take(max(timeout_s, connect_s))
+    client = spares_of(host, port, connect_s, gated).take(max(timeout_s, connect_s))
     client.set_timeout(timedelta(seconds=timeout_s))
     return client

@@ -188,12 +188,14 @@ async def test_a_silent_machine_starved_of_a_cpu_is_excused_and_a_stopped_one_is
     }
 
     async def stall(culprit: str, silent: bool) -> None:
+        # Each by a machine sharing a group with the culprit (m0 shares none with m3).
+        reporter = "m1" if culprit == "m3" else "m0"
         report = StallReport(
-            job=job, machine="m0", epoch="e0", step=40, culprits={culprit: ranks[culprit]},
+            job=job, machine=reporter, epoch="e0", step=40, culprits={culprit: ranks[culprit]},
             silent=[culprit] if silent else [], reason="no progress", waited_s=1.5,
             median_step_s=0.1,
         )  # fmt: skip
-        await nc.publish(JobSubjects(job).stall("m0"), report.to_json())
+        await nc.publish(JobSubjects(job).stall(reporter), report.to_json())
 
     for culprit, silent in (("m1", True), ("m2", True), ("m3", False)):
         await stall(culprit, silent)

@@ -168,3 +168,29 @@ def test_checkpoints_are_atomic_pruned_and_agreed(tmp_path: Path, store_address:
     assert agreed == {0: 8, 1: 8}
     checkpoint.load(tmp_path, roles[0], 8, state)
     assert state.step == 8
+
+
+def test_a_checkpoint_restore_with_a_role_never_saved_stops_every_rank_alike(
+    tmp_path: Path, store_address: str
+) -> None:
+    model = torch.nn.Linear(2, 2)
+    state = TrainingState(model, torch.optim.Adam(model.parameters()))
+    roles = [Role(dp=0, pp=p, tp=0) for p in range(2)]
+    state.step = 40
+    checkpoint.write(tmp_path, roles[0], state)  # roles[1] (the dead one's) has none
+    errors: dict[int, str] = {}
+
+    def agree(i: int) -> None:
+        try:
+            checkpoint.agree_step(Store(store_address, 30), "q/", roles[i], roles, tmp_path, 30)
+        except checkpoint.NoCheckpoint as err:
+            errors[i] = str(err)
+
+    threads = [threading.Thread(target=agree, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors[0] == errors[1]
+    assert f"no checkpoint of {roles[1].key} in {tmp_path}" in errors[0]
+    assert "runtime.checkpoint_every is 0" in errors[0] and "step 0" in errors[0]

@@ -84,3 +84,21 @@ def test_flushed_spares_of_a_restarted_store_reach_its_new_server() -> None:
     client = spares.take(30.0)
     client.set("after", "2")
     assert again.get("after") == b"2" and not again.check(["before"])
+
+
+def test_spares_lost_with_their_server_are_ready_again_once_it_is_back() -> None:
+    store = serve("127.0.0.1")
+    port = store.port
+    spares = Spares("127.0.0.1", port, connect_s=0.5, keep=3)
+    spares.fill()
+    spares.take(30.0).set("before", "1")
+    del store
+    spares.flush()  # the server is down: each spare keeps trying, beyond its connect_s
+    with spares._cond:
+        assert spares._ready == []
+    again = serve("127.0.0.1", port)
+    with spares._cond:
+        assert spares._cond.wait_for(lambda: len(spares._ready) == 3, 30.0)
+    client = spares.take(1.0)
+    client.set("after", "2")
+    assert again.get("after") == b"2"

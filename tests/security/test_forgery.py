@@ -32,6 +32,7 @@ from trainmover.messages import (
 from trainmover.runtime.config import JobConfig
 from trainmover.services.executor.fencing import fenced_in, to_fence
 from trainmover.services.health_monitor.plausible import (
+    ReportRate,
     StepBounds,
     collective_error_problem,
     stall_problem,
@@ -175,17 +176,55 @@ def test_a_stall_report_is_believed_only_about_role_holders_and_their_own_ranks(
             reason="no progress", waited_s=1.5, median_step_s=0.1,
         )  # fmt: skip
 
-    assert stall_problem(state, stall("m0", {"m1": ranks["m1"]}), {}) is None
+    assert stall_problem(state, stall("m0", {"m1": ranks["m1"]}), {}, None) is None
     # A rank of m3 voted and names its own blocked TP peer: believed.
-    assert stall_problem(state, stall("m3", {"m3": ranks["m3"][:1]}), {}) is None
-    problem = stall_problem(state, stall("s0", {"m1": ranks["m1"]}), {})
+    assert stall_problem(state, stall("m3", {"m3": ranks["m3"][:1]}), {}, None) is None
+    problem = stall_problem(state, stall("s0", {"m1": ranks["m1"]}), {}, None)
     assert problem is not None and "s0 holds no role" in problem
-    problem = stall_problem(state, stall("m0", {"m1": ranks["m3"]}), {})
+    problem = stall_problem(state, stall("m0", {"m1": ranks["m3"]}), {}, None)
     assert problem is not None and "are not m1's" in problem
-    problem = stall_problem(state, stall("m0", {"s0": [0]}), {})
+    problem = stall_problem(state, stall("m0", {"s0": [0]}), {}, None)
     assert problem is not None and "s0 holds no role" in problem
-    problem = stall_problem(state, stall("m0", {"m1": ranks["m1"]}), {"m1": 40})
+    problem = stall_problem(state, stall("m0", {"m1": ranks["m1"]}), {"m1": 40}, None)
     assert problem is not None and "reported step 40 done" in problem
+
+
+def test_a_stall_report_is_believed_only_from_a_peer_for_the_jobs_step_while_it_is_quiet() -> None:
+    state = sample_state("j")  # m0 (dp0 pp0), m1 (dp0 pp1), m2 (dp1 pp0), m3 (dp1 pp1)
+    layout = state.layout
+
+    def stall(reporter: str, culprit: str, step: int) -> StallReport:
+        ranks = sorted(layout.global_rank(r) for r in layout.roles_of(state.machines[culprit].cell))
+        return StallReport(
+            job="j", machine=reporter, epoch="e0", step=step, culprits={culprit: ranks},
+            reason="no progress", waited_s=1.5, median_step_s=0.1,
+        )  # fmt: skip
+
+    steps = {"m0": 40, "m1": 39, "m2": 40, "m3": 40}
+    # m1's PP peer m0 and its DP peer m3 wait on it: believed once the job is quiet.
+    assert stall_problem(state, stall("m0", "m1", 40), steps, 1.6) is None
+    assert stall_problem(state, stall("m3", "m1", 41), steps, 1.6) is None
+    # m2 shares no group with m1: it waits on nothing of m1's.
+    problem = stall_problem(state, stall("m2", "m1", 40), steps, 1.6)
+    assert problem is not None and "m1 shares no group with m2" in problem
+    # A step the job has not reached.
+    problem = stall_problem(state, stall("m0", "m1", 1_000_000_000), steps, 1.6)
+    assert problem == "step 1000000000 is not the job's: its furthest machine reported step 40 done"
+    assert stall_problem(state, stall("m0", "m1", 43), steps, 1.6) is not None
+    # Steps are being reported done: the job trains.
+    problem = stall_problem(state, stall("m0", "m1", 40), steps, 0.2)
+    assert problem is not None and "the job is not stalled" in problem
+
+
+def test_a_reporter_has_a_few_distinct_stalls_believed_per_window() -> None:
+    rate = ReportRate(burst=2, window_s=60.0)
+    assert rate.check("j", "m0", "e0", 40, now=0.0) is None
+    assert rate.check("j", "m0", "e0", 40, now=1.0) is None  # its repeats are free
+    assert rate.check("j", "m0", "e1", 90, now=10.0) is None
+    problem = rate.check("j", "m0", "e2", 150, now=20.0)
+    assert problem is not None and "m0 reported 2 stalls within 60s" in problem
+    assert rate.check("j", "m1", "e2", 150, now=20.0) is None  # per reporter
+    assert rate.check("j", "m0", "e2", 150, now=61.0) is None  # the oldest aged out
 
 
 def test_stats_that_jump_are_not_believed_and_do_not_blind_the_detector() -> None:
