@@ -49,6 +49,8 @@ log = get_logger("stack")
 
 # Start order: consumers before producers, so nothing published at start is missed.
 STACK_SERVICES = ("planner", "executor", "health-monitor")
+#: Those that need the job config (the health-monitor idles without one).
+JOB_SERVICES = ("planner", "executor")
 #: Per machine: a command prefix for its sidecar and environment additions.
 MachineWrap = Callable[[str], tuple[list[str], dict[str, str]]]
 
@@ -113,6 +115,8 @@ class Stack:
         self._job_config = str(Path(job_config).resolve()) if job_config else None
         self.config: JobConfig | None = load_config(job_config) if job_config else None
         self._services = available_services() if services is None else services
+        if self._job_config is None:  # they serve a job: without one they cannot start
+            self._services = [n for n in self._services if n not in JOB_SERVICES]
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="trainmover-run-"))
         self._service_args = service_args or {}
         #: Where each process's output goes (<name>.log); None: this process's terminal.
@@ -212,7 +216,7 @@ class Stack:
         embedded = self._nats is not None or self.nats_cluster is not None
         log.info("bus_ready", url=self.url, embedded=embedded, auth=self.auth)
         try:
-            check_free(self._fixed_http)
+            check_free({n: p for n, p in self._fixed_http.items() if n in self._services})
             for name in self._services:
                 await self._spawn(name)
             if self.config is not None and self._cluster:

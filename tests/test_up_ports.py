@@ -18,7 +18,8 @@ from trainmover.freeports import free_port_block
 from trainmover.ports import DEFAULT_HTTP_PORTS
 from trainmover.stackports import ServiceStartError, wait_served
 
-SERVICES = ("planner", "executor", "health-monitor")
+#: What `up` without a job config serves (the planner and executor serve a job).
+SERVICES = ("health-monitor",)
 ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
@@ -70,7 +71,7 @@ def test_two_stacks_on_one_host_serve_on_ports_of_their_own(tmp_path: Path) -> N
 
 def test_a_fixed_port_in_use_stops_up_with_an_error_naming_it(tmp_path: Path) -> None:
     base = free_port_block(len(DEFAULT_HTTP_PORTS))
-    taken = base + list(DEFAULT_HTTP_PORTS).index("planner")
+    taken = base + list(DEFAULT_HTTP_PORTS).index("health-monitor")
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", taken))
         holder.listen()
@@ -81,7 +82,7 @@ def test_a_fixed_port_in_use_stops_up_with_an_error_naming_it(tmp_path: Path) ->
         finally:
             proc.kill()
     assert code != 0
-    assert f"planner's HTTP port {taken} is in use" in err
+    assert f"health-monitor's HTTP port {taken} is in use" in err
     assert "running" not in err
 
 
@@ -92,7 +93,7 @@ def test_fixed_ports_from_a_base_are_served_there(tmp_path: Path) -> None:
         ports = served_ports(proc)
         order = list(DEFAULT_HTTP_PORTS)
         assert ports == {name: base + order.index(name) for name in SERVICES}
-        assert "# TYPE" in metrics_of(ports["planner"])
+        assert "# TYPE" in metrics_of(ports["health-monitor"])
         stop(proc)
     finally:
         proc.kill()

@@ -14,6 +14,7 @@ import pytest
 import structlog
 from nats.js.api import DeliverPolicy
 
+from tests.health_monitor.conftest import Heartbeats
 from tests.security.conftest import FAST_BCRYPT, JOB_A, SecureBus
 from trainmover import bus, logs
 from trainmover.client import TrainMoverClient, UnknownJob
@@ -135,9 +136,14 @@ async def test_health_monitor_runs_on_its_own_credentials(
             await bus.publish(sidecar, subjects.heartbeat("m0"), b'{"kind": "heartbeat"')
             letter = await _first(letters, lambda d: d.subject == subjects.heartbeat("m0"))
             assert "malformed JSON" in letter.reason and letter.service == "health-monitor"
-            # Machines that never heartbeat lapse: the monitor may publish failures.
-            event = await _first(events, lambda e: e.source == "heartbeat")
-            assert event.kind == "failure" and event.job == JOB_A
+            # A machine that never heartbeats while the others do lapses: the monitor
+            # may publish failures (the others' beats by the operator's admin).
+            others = Heartbeats(admin, JOB_A, {"m1", "m2", "m3", "s0"}).start()
+            try:
+                event = await _first(events, lambda e: e.source == "heartbeat")
+            finally:
+                await others.stop()
+            assert event.kind == "failure" and event.job == JOB_A and event.machine == "m0"
         finally:
             await monitor.stop()
         # Deliberately log a secret under an innocent key: it prints masked.

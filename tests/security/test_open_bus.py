@@ -18,9 +18,16 @@ from tests.e2e.conftest import TP1_LONG, WAIT_S
 from tests.health_monitor.conftest import dead_letters_of
 from trainmover.localcluster import LocalCluster
 from trainmover.messages import Heartbeat, WorkerStatus, new_id
+from trainmover.runtime.config import JobConfig
 from trainmover.subjects import JobSubjects
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
+
+
+@pytest.fixture
+async def cluster(tmp_path, config: JobConfig):
+    async with LocalCluster(config, tmp_path) as running:  # an open bus
+        yield running
 
 
 @pytest.mark.parametrize("config", [TP1_LONG])
