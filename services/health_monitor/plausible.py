@@ -122,15 +122,15 @@ def stall_problem(
     reporter = state.machines.get(report.machine)
     if reporter is None or reporter.cell is None or reporter.status not in HOLDING:
         return f"{report.machine} holds no role: it has no vote to wait on"
-    if quiet_s is not None and quiet_s < STALL_QUIET_S:
-        return (
-            f"the job is not stalled: a machine reported a step done {quiet_s:.2f}s ago "
-            f"(a stalled job reports none for {STALL_QUIET_S:g}s)"
-        )
     if last_step and report.step > max(last_step.values()) + STALL_LEAD:
         return (
             f"step {report.step} is not the job's: its furthest machine reported step "
             f"{max(last_step.values())} done"
+        )
+    if quiet_s is not None and quiet_s < STALL_QUIET_S:
+        return (
+            f"the job is not stalled: a machine reported a step done {quiet_s:.2f}s ago "
+            f"(a stalled job reports none for {STALL_QUIET_S:g}s)"
         )
     peers = peers_of(state, report.machine)
     for machine, ranks in sorted(report.culprits.items()):

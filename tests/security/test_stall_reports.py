@@ -2,8 +2,8 @@
 
 The whole local cluster runs under `--auth`; the attacker holds m1's sidecar
 credentials, which may publish on `tm.<job>.stall.m1`, and reports m0 as holding back a
-step the job never reached, and then the step it trains now. Both are refused (dead
-letters naming why), no failure event is raised and training goes on.
+step the job never reached, and then the step it trains now. Both are refused (the
+first dead-lettered naming why), no failure event is raised and training goes on.
 """
 
 from __future__ import annotations
@@ -53,14 +53,12 @@ async def test_a_sidecar_cannot_fail_a_peer_by_reporting_a_stall(
             )  # fmt: skip
             await forger.publish(JobSubjects(job).stall("m1"), report.to_json())
         await forger.flush()
-        refused = [
-            await dead.wait_for(lambda d: "not the job's" in d.reason),
-            await dead.wait_for(lambda d: "the job is not stalled" in d.reason),
-        ]
+        # Each reporter's refusals are dead-lettered once per window: the first says why.
+        refused = await dead.wait_for(lambda d: "not the job's" in d.reason)
         # Training goes on past the forged steps' time, and nothing was failed.
         await cluster.wait_step("m0", now + 20, WAIT_S)
         assert failures == []
     await forger.close()
-    assert all(d.service == "health-monitor" and d.subject.endswith(".stall.m1") for d in refused)
+    assert refused.service == "health-monitor" and refused.subject.endswith(".stall.m1")
     after = await cluster.client.status(job)
     assert after.machines["m0"].status == "active" and after.machines["m0"].cell == cell
