@@ -173,15 +173,15 @@ class Spares:
                 self._start(EXTRA)
             while not self._ready:
                 failed_at, error = self._failed
-                if failed_at >= began:
-                    # A server that is gone is the caller's to handle (another replica
-                    # may serve); a connect that timed out on the resolver is tried again.
+                if self._opening == 0 and failed_at >= began:
+                    # A connect that timed out on the resolver is tried again; a server
+                    # that is gone is the caller's to handle (another replica may serve).
+                    # While connects are in flight, one may reach a server coming back.
                     if not _listening(self.host, self.port):
                         raise dist.DistNetworkError(
                             f"no connection to the store at {self.host}:{self.port}: {error}"
                         )
-                    if self._opening == 0:
-                        self._start(EXTRA)
+                    self._start(EXTRA)
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
                     if not self._ready:
