@@ -12,7 +12,9 @@ from nats.aio.client import Client as NatsClient
 
 from tests.conftest import register_job
 from trainmover import bus
+from trainmover.localcluster import LocalCluster
 from trainmover.natsserver import EmbeddedNats
+from trainmover.runtime.config import JobConfig
 from trainmover.security import credentials
 from trainmover.security.authcli import generate
 from trainmover.security.policy import Component
@@ -91,3 +93,11 @@ async def registered(secure_bus: SecureBus) -> SecureBus:
     finally:
         await planner.close()
     return secure_bus
+
+
+@pytest.fixture
+async def secure_cluster(tmp_path: Path, config: JobConfig) -> AsyncIterator[LocalCluster]:
+    """The whole local cluster under `--auth` (every process on its own credentials),
+    running `config` (a test parametrizes it)."""
+    async with LocalCluster(config, tmp_path, auth=True, bcrypt_cost=FAST_BCRYPT) as running:
+        yield running

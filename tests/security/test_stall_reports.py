@@ -15,18 +15,11 @@ from tests.health_monitor.conftest import dead_letters_of
 from trainmover import bus
 from trainmover.localcluster import LocalCluster
 from trainmover.messages import StallReport
-from trainmover.runtime.config import JobConfig
 from trainmover.security.credentials import from_file
 from trainmover.security.policy import Component
 from trainmover.subjects import JobSubjects
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
-
-
-@pytest.fixture
-async def secure_cluster(tmp_path, config: JobConfig):
-    async with LocalCluster(config, tmp_path, auth=True, bcrypt_cost=4) as running:
-        yield running
 
 
 @pytest.mark.parametrize("config", [TP1_LONG])

@@ -17,15 +17,8 @@ import torch.distributed as dist
 from tests.e2e.conftest import TP1_LONG, WAIT_S
 from trainmover.localcluster import LocalCluster
 from trainmover.ports import store_addresses
-from trainmover.runtime.config import JobConfig
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
-
-
-@pytest.fixture
-async def secure_cluster(tmp_path, config: JobConfig):
-    async with LocalCluster(config, tmp_path, auth=True, bcrypt_cost=4) as running:
-        yield running
 
 
 def forge_abort(address: str, key: str) -> str:
