@@ -85,6 +85,11 @@ class EmbeddedNats:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (for a benchmark's CPU readings)."""
+        return self._proc.pid if self.running and self._proc is not None else None
+
     def start(self) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         ports_dir = Path(tempfile.mkdtemp(prefix="trainmover-ports-"))

@@ -200,6 +200,16 @@ class Stack:
     def running(self) -> list[str]:
         return [*self._procs, *(f"sidecar {m}" for m in self.machines)]
 
+    def pids(self) -> dict[str, int]:
+        """The process id of each service and of each embedded nats-server ("nats-<i>"),
+        by name: what a benchmark reads CPU and memory of."""
+        pids = {name: proc.pid for name, proc in self._procs.items()}
+        nodes = self.nats_cluster.nodes if self.nats_cluster is not None else [self._nats]
+        for i, node in enumerate(nodes):
+            if node is not None and node.pid is not None:
+                pids[f"nats-{i}"] = node.pid
+        return pids
+
     async def __aenter__(self) -> Stack:
         if self._given_url:
             self.url = self._given_url

@@ -1,4 +1,4 @@
-"""``trainmover bench [downtime|rebalance|scale|hangs|state|store|all] [options]``: the benchmark commands.
+"""``trainmover bench [downtime|rebalance|scale|hangs|state|store|control-plane|all] [options]``: the benchmark commands.
 
 Without a sub-command (``make bench``), runs every benchmark at its default settings and
 writes bench-out/<name>.{json,md,png}.
@@ -10,7 +10,16 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from trainmover.bench import downtime, downtime_example, hangs, rebalance, scale, state, store
+from trainmover.bench import (
+    control_plane,
+    downtime,
+    downtime_example,
+    hangs,
+    rebalance,
+    scale,
+    state,
+    store,
+)
 
 #: sub-command -> (add its options, run it)
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
@@ -21,6 +30,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
     "hangs": (hangs.add_arguments, hangs.main),
     "state": (state.add_arguments, state.main),
     "store": (store.add_arguments, store.main),
+    "control-plane": (control_plane.add_arguments, control_plane.main),
 }  # fmt: skip
 HELP = {
     "downtime": "planned and failure downtime: TrainMover, ablations, torchrun, torchft "
@@ -32,6 +42,8 @@ HELP = {
     "per rank, against the link and checkpoint-restart",
     "store": "training lost per rendezvous store loss, and the per-step vote's cost at 4-16 "
     "ranks against a bare TCPStore, projected to 1,024",
+    "control-plane": "the real services against 64-8,192 simulated machines of 8 GPUs: "
+    "detection, planning, commands, cluster state, CPU, memory, bus load",
 }
 
 
