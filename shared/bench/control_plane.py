@@ -134,8 +134,8 @@ def tables(result: Result, sizes: list[int]) -> str:
 
 def _plot(result: Result, sizes: list[int], path: Path) -> None:
     ran = [n for n in sizes if result.get(f"sizes.{n}.drain.plan_to_end_s") is not None]
-    if not ran:
-        ran = sizes  # an empty plot says so: every series not measured
+    measured = bool(ran)
+    ran = ran or sizes  # an empty plot says so: every series not measured
     series = {
         "silent -> failure event": "failure.detect_stats",
         "failure event -> plan": "failure.event_to_plan_stats",
@@ -154,7 +154,7 @@ def _plot(result: Result, sizes: list[int], path: Path) -> None:
         },
         "machines (8 GPUs each)",
         "seconds",
-        log=True,
+        log=measured,
     )
 
 

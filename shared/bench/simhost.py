@@ -43,6 +43,8 @@ log = get_logger("simhost")
 
 #: Simulated machines per bus connection of a host.
 PER_CONNECTION = 256
+#: Longest reply line a host may write (the records of a recovery of thousands of machines).
+REPLY_LIMIT = 256 * 2**20
 
 
 def hosted(config: JobConfig, index: int, hosts: int) -> list[str]:
@@ -169,7 +171,7 @@ class SimHosts:
                         "--hosts", str(hosts), "--job-start", repr(job_start),
                         "--timing", json.dumps(asdict(timing)),
                         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                        stderr=err,
+                        stderr=err, limit=REPLY_LIMIT,
                     )
                 )  # fmt: skip
         self = cls(load_config(config_path), procs)
