@@ -390,6 +390,18 @@ class Stack:
 
     # --- supervision -------------------------------------------------------------------------
 
+    async def first_exit(self) -> tuple[str, int]:
+        """Waits until a service's process exits; its name and exit code (what a benchmark
+        that supervises nothing fails its run on)."""
+        waits = {asyncio.ensure_future(p.wait()): n for n, p in self._procs.items()}
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        task = done.pop()
+        return waits[task], task.result()
+
     async def wait(self, stop: asyncio.Event) -> None:
         """Runs until `stop` is set, restarting any service that exits on its own."""
         while not stop.is_set():

@@ -42,6 +42,7 @@ from trainmover.messages import ClusterState
 from trainmover.runtime.config import ClusterConfig, JobConfig, ModelConfig, save_config
 from trainmover.runtime.layout import Layout
 from trainmover.stack import STACK_SERVICES, Stack
+from trainmover.tasks import cancel_and_wait
 
 TP = 8
 #: Simulated machines per host process.
@@ -113,6 +114,7 @@ class SizeRun:
         self.timing = SimTiming(step_s=args.step, switch_s=args.switch_ms / 1e3)
         self.rng = random.Random(args.seed + machines)
         self.moved: set[str] = set()
+        self.silenced: set[str] = set()
         self.migrations: list[dict[str, Any]] = []
 
     def set(self, key: str, value: Any, reason: str | None = None) -> None:
@@ -130,50 +132,57 @@ class SizeRun:
             job_config=str(path), nats_cluster=3, cluster=False, run_dir=self.run_dir,
             log_dir=log_dir, services=list(STACK_SERVICES),
         ) as stack:  # fmt: skip
-            assert stack.nats_cluster is not None
-            monitors = [node.ports["monitoring"][0] for node in stack.nats_cluster.nodes]
-            nc = await bus.connect(stack.url, "bench-control-plane")
-            observer = Observer(nc, self.job)
-            await observer.start()
-            hosts_n = math.ceil(self.n / MACHINES_PER_HOST)
-            self.set("sim_hosts", hosts_n)
-            started = time.monotonic()
-            hosts = await SimHosts.start(stack.url, path, hosts_n, time.time(), self.timing,
-                                         log_dir, self.args.timeout)  # fmt: skip
-            page: PageHost | None = None
-            try:
-                page = await PageHost.start(stack.url, self.job, log_dir / "status-page.log",
-                                            self.args.timeout)  # fmt: skip
-                state = await self._state(nc, _ready(self.config), "every machine admitted")
-                self.set("startup_s", time.monotonic() - started)
-                self.set("startup_revisions", state.revision)
-                self.progress.note(
-                    f"{self.n} machines: all admitted in {time.monotonic() - started:.1f} s "
-                    f"({state.revision} state revisions)"
-                )
-                pids = {**stack.pids(), "status-page": page.proc.pid}
-                pids |= {f"simhost-{i}": pid for i, pid in enumerate(hosts.pids)}
-                await self._steady(pids, monitors)
-                await self._state_and_status(nc, stack.url, page)
-                client = TrainMoverClient(nc)  # not its context: it would close `nc`
-                for rep in range(self.args.reps):
-                    for kind in ("drain", "failure"):
-                        await self._migration(kind, rep, nc, client, observer, hosts, pids)
-                spurious = sorted(
-                    {
-                        e.message.machine
-                        for e in observer.events
-                        if e.message.kind == "failure" and e.message.machine not in self.moved
-                    }
-                )
-                self.set("spurious_failures", spurious)
-            finally:
-                self.set("migrations", self.migrations)
-                if page is not None:
-                    await page.stop()
-                await hosts.stop()
-                await observer.stop()
-                await nc.close()
+            # Nothing restarts a service here: one that dies ends the size, named.
+            measure = asyncio.create_task(self._measure(stack, path, log_dir))
+            died = asyncio.create_task(stack.first_exit())
+            await asyncio.wait({measure, died}, return_when=asyncio.FIRST_COMPLETED)
+            if not measure.done():
+                await cancel_and_wait([measure], owner="bench control-plane", timeout_s=60)
+                name, code = died.result()
+                raise RuntimeError(f"the {name} exited with code {code}")
+            died.cancel()
+            measure.result()
+
+    async def _measure(self, stack: Stack, path: Path, log_dir: Path) -> None:
+        assert stack.nats_cluster is not None
+        monitors = [node.ports["monitoring"][0] for node in stack.nats_cluster.nodes]
+        nc = await bus.connect(stack.url, "bench-control-plane")
+        observer = Observer(nc, self.job)
+        await observer.start()
+        hosts_n = math.ceil(self.n / MACHINES_PER_HOST)
+        self.set("sim_hosts", hosts_n)
+        started = time.monotonic()
+        hosts = await SimHosts.start(stack.url, path, hosts_n, time.time(), self.timing,
+                                     log_dir, self.args.timeout)  # fmt: skip
+        page: PageHost | None = None
+        try:
+            page = await PageHost.start(stack.url, self.job, log_dir / "status-page.log",
+                                        self.args.timeout)  # fmt: skip
+            state = await self._state(nc, _ready(self.config), "every machine admitted")
+            self.set("startup_s", time.monotonic() - started)
+            self.set("startup_revisions", state.revision)
+            self.progress.note(
+                f"{self.n} machines: all admitted in {time.monotonic() - started:.1f} s "
+                f"({state.revision} state revisions)"
+            )
+            pids = {**stack.pids(), "status-page": page.proc.pid}
+            pids |= {f"simhost-{i}": pid for i, pid in enumerate(hosts.pids)}
+            await self._steady(pids, monitors)
+            await self._state_and_status(nc, stack.url, page)
+            client = TrainMoverClient(nc)  # not its context: it would close `nc`
+            for rep in range(self.args.reps):
+                for kind in ("drain", "failure"):
+                    await self._migration(kind, rep, nc, client, observer, hosts, pids)
+        finally:
+            self.set("migrations", self.migrations)
+            # Failure events of machines nobody silenced: the monitor's false alarms.
+            failed = {e.message.machine for e in observer.events if e.message.kind == "failure"}
+            self.set("spurious_failures", sorted(failed - self.silenced))
+            if page is not None:
+                await page.stop()
+            await hosts.stop()
+            await observer.stop()
+            await nc.close()
 
     async def _state(self, nc: Any, predicate: Any, what: str) -> ClusterState:
         try:
@@ -238,6 +247,7 @@ class SizeRun:
                 timeout, f"drain event for {machine}",
             )  # fmt: skip
         else:
+            self.silenced.add(machine)
             silenced = await hosts.silence(machine)
             event = await observer.wait(
                 lambda: observer.event_for(machine, "failure", silenced),
