@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -144,6 +144,25 @@ def workers_busy_s(records: Iterable[CommandRecord], start: float, end: float) -
             covered += b - a
             reach = b
     return covered
+
+
+async def newest_states(nc: NatsClient, job: str) -> AsyncIterator[ClusterState]:
+    """The job's cluster state each time its watch has caught up with the writes: the
+    watch carries no values (`meta_only`) and the newest is read once per burst, so a
+    follower of thousands of revisions a second (a large job starting) decodes a few of
+    them, not each (the services' own followers decode each; this one must not compete
+    with them for the CPU)."""
+    kv = await bus.job_bucket(nc.jetstream(), job)
+    watcher = await kv.watch(STATE_KEY, meta_only=True)
+    try:
+        async for entry in watcher:
+            if entry is None or entry.delta:
+                continue  # the initial marker, or not the newest yet
+            latest = await kv.get(STATE_KEY)
+            if latest.value:
+                yield decode(ClusterState, latest.value)
+    finally:
+        await watcher.stop()
 
 
 # --- processes ---------------------------------------------------------------------------

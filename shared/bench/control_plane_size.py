@@ -28,6 +28,7 @@ from trainmover.bench.control_plane_probe import (
     PageHost,
     cpu_between,
     cpu_of,
+    newest_states,
     rss_bytes,
     state_costs,
     status_cli_s,
@@ -185,10 +186,14 @@ class SizeRun:
             await nc.close()
 
     async def _state(self, nc: Any, predicate: Any, what: str) -> ClusterState:
+        async def first() -> ClusterState:
+            async for state in newest_states(nc, self.job):
+                if predicate(state):
+                    return state
+            raise RuntimeError(f"{what}: the state's watch ended")
+
         try:
-            return await asyncio.wait_for(
-                bus.state_until(nc, self.job, predicate), self.args.timeout
-            )
+            return await asyncio.wait_for(first(), self.args.timeout)
         except TimeoutError:
             raise TimeoutError(f"{what}: not within {self.args.timeout:.0f} s") from None
 

@@ -8,11 +8,11 @@ Host I of N takes every N-th machine of the job config (machines, then standbys)
 the I-th, connects to the bus with one connection per `PER_CONNECTION` machines (a
 real sidecar has its own; one connection for thousands would make its socket, not the
 services, what falls behind), and starts them. Like every sidecar it follows the job's
-cluster state and fences its machines that the state fences, but with one watch for all
-of its machines, not one each. It prints one JSON line `{"ready": ...}` on stdout once
-every machine serves, then answers JSON lines on stdin, one reply line each:
-`silence` / `revive` a machine, `records` (the commands answered for some plans),
-`quit`.
+cluster state and fences its machines that the state fences, but with one follower for
+all of its machines, not one each, that reads only the newest state. It prints one JSON
+line `{"ready": ...}` on stdout once every machine serves, then answers JSON lines on
+stdin, one reply line each: `silence` / `revive` a machine, `records` (the commands
+answered for some plans), `quit`.
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ from typing import Any
 from nats.js.errors import BucketNotFoundError
 
 from trainmover import bus, logs
+from trainmover.bench.control_plane_probe import newest_states
 from trainmover.bench.simmachine import CommandRecord, JobClock, PlanCache, SimMachine, SimTiming
 from trainmover.logs import get_logger
-from trainmover.messages import ClusterState, MessageError, decode
 from trainmover.runtime.config import JobConfig, load_config
 from trainmover.services.executor.fencing import fenced_in
-from trainmover.services.sidecar.service import SIDECAR_STATE_CHECK_S
-from trainmover.subjects import STATE_KEY
 from trainmover.tasks import cancel_and_wait
 
 log = get_logger("simhost")
@@ -81,21 +79,19 @@ class Host:
         self._tasks.append(asyncio.create_task(self._follow_state()))
 
     async def _follow_state(self) -> None:
-        js = self._conns[0].jetstream()
+        """Fences what the state fences. One follower for every machine of the host, and
+        it reads only the newest state: a sidecar reads each revision, on a machine of
+        its own; here that would be the host's CPU, taken from the services'."""
         while True:
             try:
-                kv = await bus.job_bucket(js, self.config.job)
-                break
+                states = newest_states(self._conns[0], self.config.job)
+                async for state in states:
+                    for name, machine in self.machines.items():
+                        if machine.alive and fenced_in(state, name, machine.instance):
+                            machine.fenced(machine.instance)
+                return
             except BucketNotFoundError:
                 await asyncio.sleep(0.2)  # the planner creates it as it starts
-        async for entry in bus.follow(kv, STATE_KEY, check_s=SIDECAR_STATE_CHECK_S):
-            try:
-                state = decode(ClusterState, entry.value)
-            except MessageError:
-                continue
-            for name, machine in self.machines.items():
-                if machine.alive and fenced_in(state, name, machine.instance):
-                    machine.fenced(machine.instance)
 
     async def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
