@@ -173,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
             asyncio.run(SizeRun(n, args, run_dir, result, progress).run())
         except Exception as err:  # a size that breaks is a result; the next one runs
             cause = log_cause(run_dir / "logs")
-            reason = f"{type(err).__name__}: {err}" + (f" (last error: {cause})" if cause else "")
+            reason = f"{type(err).__name__}: {err}" + (f" ({cause})" if cause else "")
             result.set(f"sizes.{n}.failed", reason)
             log.error("size_failed", machines=n, reason=reason)
             progress.note(f"{n} machines: FAILED: {reason}")
