@@ -77,6 +77,16 @@ class HeartbeatTracker:
         # (deadline, version, key): a heap with lazy deletion, so a heartbeat is O(log n)
         # and a check is O(lapsed); stale entries are skipped by their version.
         self._heap: list[tuple[float, int, MachineKey]] = []
+        # Per job, machines watched and of them down: counted as they change, because
+        # every heartbeat updates the machines-up gauge (a count over all would make a
+        # round of heartbeats O(n²)).
+        self._watched_n: dict[str, int] = {}
+        self._down_n: dict[str, int] = {}
+
+    def _set_down(self, key: MachineKey, watch: _Watch, down: bool) -> None:
+        if watch.down != down:
+            self._down_n[key[0]] = self._down_n.get(key[0], 0) + (1 if down else -1)
+            watch.down = down
 
     def _schedule(self, key: MachineKey, watch: _Watch) -> None:
         watch.version += 1
@@ -106,6 +116,7 @@ class HeartbeatTracker:
         else:
             watch = _Watch(since=now, deadline=now + self.grace_s)
         self._watches[key] = watch
+        self._watched_n[job] = self._watched_n.get(job, 0) + 1
         self._schedule(key, watch)
         return True
 
@@ -114,10 +125,16 @@ class HeartbeatTracker:
         return self._watches[(job, machine)].deadline - now
 
     def unwatch(self, job: str, machine: str) -> None:
-        self._watches.pop((job, machine), None)
+        watch = self._watches.pop((job, machine), None)
+        if watch is not None:
+            self._watched_n[job] -= 1
+            self._down_n[job] = self._down_n.get(job, 0) - watch.down
 
     def watched(self, job: str | None = None) -> list[MachineKey]:
         return [k for k in self._watches if job is None or k[0] == job]
+
+    def watched_count(self, job: str) -> int:
+        return self._watched_n.get(job, 0)
 
     def is_watched(self, job: str, machine: str) -> bool:
         return (job, machine) in self._watches
@@ -126,7 +143,7 @@ class HeartbeatTracker:
         """Marks a machine as already reported (an incident restored after a restart)."""
         watch = self._watches.get((job, machine))
         if watch is not None:
-            watch.down = True
+            self._set_down((job, machine), watch, True)
 
     def beat(
         self, job: str, machine: str, seq: int, now: float, sent_ts: float | None = None
@@ -142,7 +159,7 @@ class HeartbeatTracker:
                 self._heard.popitem(last=False)
             return False
         recovered = watch.down
-        watch.down = False
+        self._set_down(key, watch, False)
         watch.last_seen = now
         watch.last_seq = seq
         watch.last_sent_ts = sent_ts
@@ -168,7 +185,7 @@ class HeartbeatTracker:
             watch = self._watches.get(key)
             if watch is None or watch.version != version or watch.down:
                 continue
-            watch.down = True
+            self._set_down(key, watch, True)
             start = watch.last_seen if watch.last_seen is not None else watch.since
             out.append(
                 Lapse(
@@ -184,7 +201,7 @@ class HeartbeatTracker:
 
     def up_count(self, job: str) -> int:
         """Watched machines of `job` not currently lapsed."""
-        return sum(1 for k, w in self._watches.items() if k[0] == job and not w.down)
+        return self._watched_n.get(job, 0) - self._down_n.get(job, 0)
 
 
 def abnormal_exits(heartbeat: Heartbeat) -> list[WorkerStatus]:

@@ -28,10 +28,10 @@ is plausible:
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 
 from trainmover.messages import ClusterState, CollectiveErrorReport, StallReport
+from trainmover.services.health_monitor.median import SortedMedian
 
 HOLDING = ("active", "leaving", "joining")
 """Statuses whose machine is (or is about to be) a member of its groups."""
@@ -181,23 +181,28 @@ class StepBounds:
 
     max_lead: int = 100
     _last: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Per job, the same steps sorted: the others' median is read, not recomputed.
+    _sorted: dict[str, SortedMedian] = field(default_factory=dict)
 
     def check(self, job: str, machine: str, step: int) -> str | None:
         """Why `step` of `machine` is not believed (None: it is, and it is recorded)."""
         steps = self._last.setdefault(job, {})
-        others = [s for m, s in steps.items() if m != machine]
-        if others:
-            reference = statistics.median(others)
-            if step > reference + self.max_lead:
-                return (
-                    f"step {step} of {machine} is more than {self.max_lead} steps ahead of "
-                    f"the job (its other machines are at step {reference:g})"
-                )
+        ordered = self._sorted.setdefault(job, SortedMedian())
+        mine = steps.get(machine)
+        reference = ordered.median(excluding=mine)
+        if reference is not None and step > reference + self.max_lead:
+            return (
+                f"step {step} of {machine} is more than {self.max_lead} steps ahead of "
+                f"the job (its other machines are at step {reference:g})"
+            )
+        ordered.replace(mine, step)
         steps[machine] = step
         return None
 
     def forget(self, job: str, machine: str) -> None:
-        self._last.get(job, {}).pop(machine, None)
+        step = self._last.get(job, {}).pop(machine, None)
+        if step is not None:
+            self._sorted[job].remove(step)
 
     def last(self, job: str) -> dict[str, int]:
         """Each machine's last believed step in `job`."""

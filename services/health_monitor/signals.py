@@ -328,7 +328,7 @@ class Signals:
 
     def on_lapses(self, lapses: list[Lapse], now: float) -> None:
         """New lapses and those held: each believed one fails its machine (`silence`)."""
-        verdict = self.silence.judge(lapses, now, lambda job: len(self.tracker.watched(job)))
+        verdict = self.silence.judge(lapses, now, lambda job: self.tracker.watched_count(job))
         for lapse in verdict.withheld:
             held = self.silence.held(lapse.job)
             log.warning(
@@ -336,7 +336,7 @@ class Signals:
                 job=lapse.job,
                 machine=lapse.machine,
                 silent=held,
-                reason=f"{len(held)} of the job's {len(self.tracker.watched(lapse.job))} "
+                reason=f"{len(held)} of the job's {self.tracker.watched_count(lapse.job)} "
                 "machines silent at once: a host or bus problem until a peer names one",
             )
             self.metrics.silences_held.labels(job=lapse.job).inc()

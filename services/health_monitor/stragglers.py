@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from trainmover.messages import StragglerEvidence
+from trainmover.services.health_monitor.median import SortedMedian
 
 REORDER_STEPS = 8
 """A step this far behind the last one is a late report; further back, a new stream."""
@@ -47,6 +48,7 @@ class _History:
     slow_since: int = -1
     normal_run: int = 0
     flagged: bool = False
+    median: float | None = None  # of `times`, kept with it
 
 
 class StragglerDetector:
@@ -71,24 +73,29 @@ class StragglerDetector:
         self.warmup = min(warmup, window)
         self.min_peers = min_peers
         self._jobs: dict[str, dict[str, _History]] = {}
+        #: Per job, the medians of its machines' histories, sorted: the job median of
+        #: each report is read from it, not recomputed over every machine.
+        self._medians: dict[str, SortedMedian] = {}
 
     def forget(self, job: str, machine: str) -> None:
         """Drops a machine's history (it left, failed, or is not active any more)."""
-        self._jobs.get(job, {}).pop(machine, None)
+        history = self._jobs.get(job, {}).pop(machine, None)
+        if history is not None and history.median is not None:
+            self._medians[job].remove(history.median)
 
     def machines(self, job: str) -> list[str]:
         return list(self._jobs.get(job, {}))
 
     def job_median(self, job: str, excluding: str | None = None) -> float | None:
         """Median over machines (but `excluding`) of their recent medians; None if too few."""
-        medians = [
-            statistics.median(h.times)
-            for name, h in self._jobs.get(job, {}).items()
-            if name != excluding and h.times
-        ]
-        if len(medians) < self.min_peers:
+        medians = self._medians.get(job)
+        if medians is None:
             return None
-        return statistics.median(medians)
+        history = self._jobs[job].get(excluding) if excluding is not None else None
+        left_out = history.median if history is not None else None
+        if len(medians) - (left_out is not None) < self.min_peers:
+            return None
+        return medians.median(excluding=left_out)
 
     def observe(
         self, job: str, machine: str, step: int, compute_s: float
@@ -111,6 +118,9 @@ class StragglerDetector:
         reference = self.job_median(job, excluding=machine)
         warming_up = len(history.times) < self.warmup
         history.times.append(compute_s)
+        median = statistics.median(history.times)
+        self._medians.setdefault(job, SortedMedian()).replace(history.median, median)
+        history.median = median
         if reference is None or reference <= 0 or warming_up:
             # A machine's first steps (lazy initialisation, a joiner's first iteration,
             # a job starting on a loaded host) say nothing about its speed.
