@@ -84,12 +84,16 @@ def free_standby(
     if cell is None:
         return None
     wanted = state.layout.role_type(cell.pp)
-    free = [
-        name
-        for name, m in sorted(state.machines.items())
-        if m.status == "standby" and wanted in m.warm_role_types and name not in exclude
-    ]
-    return free[0] if free else None
+    # The least name, not the whole job sorted: each admission of a large job's start
+    # asks, and sorting thousands of machines each time made that start O(n² log n).
+    return min(
+        (
+            name
+            for name, m in state.machines.items()
+            if m.status == "standby" and wanted in m.warm_role_types and name not in exclude
+        ),
+        default=None,
+    )
 
 
 def pick_joiners(state: ClusterState, leavers: dict[str, str | None]) -> dict[str, str] | None:
