@@ -22,9 +22,10 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import BucketNotFoundError
 
 from trainmover import bus
+from trainmover.bus.clusterstate import read_state
 from trainmover.logs import get_logger
 from trainmover.messages import (
     TERMINAL_STATES,
@@ -41,7 +42,7 @@ from trainmover.messages import (
 from trainmover.natsserver import resolve_url
 from trainmover.security import denials
 from trainmover.security.credentials import NatsAuth
-from trainmover.subjects import STATE_KEY, JobSubjects, check_name
+from trainmover.subjects import JobSubjects, check_name
 
 Event = DrainEvent | FailureEvent | StragglerEvent | RebalanceEvent
 
@@ -119,15 +120,15 @@ class TrainMoverClient:
 
         async def read() -> Any:
             bucket = await bus.job_bucket(self._js, job)
-            return await denials.of(self._nc).guard(bucket.get(STATE_KEY), ["$JS.API.>"])
+            return await denials.of(self._nc).guard(read_state(bucket), ["$JS.API.>"])
 
         try:
-            entry = await bus.through_failover(read, f"status of {job}")
-        except (BucketNotFoundError, KeyNotFoundError):
-            raise UnknownJob(f"unknown job {job!r}: no planner has registered it") from None
-        if entry.value is None:
-            raise UnknownJob(f"unknown job {job!r}: its state was deleted")
-        return decode(ClusterState, entry.value)
+            state = await bus.through_failover(read, f"status of {job}")
+        except BucketNotFoundError:
+            state = None
+        if state is None:
+            raise UnknownJob(f"unknown job {job!r}: no planner has registered it")
+        return state  # type: ignore[no-any-return]
 
     # --- events ----------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 
 from trainmover import bus
+from trainmover.bus.clusterstate import follow_states
 from trainmover.client import TrainMoverClient, UnknownJob
 from trainmover.logs import get_logger
 from trainmover.messages import (
@@ -30,7 +31,7 @@ from trainmover.messages import (
     StepStats,
     decode,
 )
-from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.subjects import JobSubjects
 from trainmover.tasks import cancel_and_wait
 
 RATE_WINDOW_S = 15.0
@@ -126,13 +127,8 @@ class JobView:
 
     async def _follow_state(self) -> None:
         kv = await bus.job_bucket(self.nc.jetstream(), self.job)
-        watcher = await kv.watch(STATE_KEY)
-        try:
-            async for entry in watcher:
-                if entry is not None and entry.value:
-                    self.state = decode(ClusterState, entry.value)
-        finally:
-            await watcher.stop()
+        async for state in follow_states(kv):
+            self.state = state
 
     async def _follow_items(self) -> None:
         async with TrainMoverClient(self.nc).watch(self.job, from_start=True) as items:

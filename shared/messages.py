@@ -391,6 +391,21 @@ class ClusterState(Message):
     revision: int = 0
 
 
+class ClusterStateHead(Message):
+    """Key `cluster` of the job's bucket: the stored pieces the cluster state is made of
+    now, each a partial `cluster_state` (`trainmover.bus.clusterstate`), pinned by the
+    bucket revision of each of its chunks (key `cluster.<piece>.<chunk>`)."""
+
+    kind: Literal["cluster_state_head"] = "cluster_state_head"
+    job: Name
+    revision: int = Field(ge=0, description="the cluster_state's revision")
+    shards: int = Field(ge=1, description="machine shards: machine m is in crc32(m) % shards")
+    pieces: dict[Name, list[Annotated[int, Field(ge=1)]]] = Field(
+        description="piece -> bucket revisions of its chunks, in order"
+    )
+    bytes: int = Field(ge=0, description="the pieces' total size")
+
+
 # --- decoding ------------------------------------------------------------------------------
 
 M = TypeVar("M", bound=Message)
@@ -465,5 +480,6 @@ ALL_MESSAGES: dict[str, Any] = {
     "migration_progress": MigrationProgress,
     "dead_letter": DeadLetter,
     "cluster_state": ClusterState,
+    "cluster_state_head": ClusterStateHead,
 }
 """Schema file name -> model (or union) for docs/schemas/."""

@@ -16,10 +16,10 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from trainmover import bus
+from trainmover.bus.clusterstate import StateStore
 from trainmover.messages import ClusterState, MachineState, new_id
 from trainmover.natsserver import EmbeddedNats
 from trainmover.runtime.layout import Layout
-from trainmover.subjects import STATE_KEY
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -115,5 +115,11 @@ async def register_job(nc: NatsClient, job: str, state: ClusterState | None = No
     """Creates the job's bus resources and writes its cluster state, as the planner does
     (on a cluster, the new bucket's stream may still be electing its leader)."""
     kv = await bus.ensure_job(nc.jetstream(), job)
-    value = (state or sample_state(job)).to_json()
-    await bus.through_failover(lambda: kv.put(STATE_KEY, value), f"cluster state of {job}")
+    store = StateStore(kv)
+
+    async def write() -> int:
+        stored = await store.read()  # a job registered again is overwritten
+        last = None if stored is None else stored.revision
+        return await store.write(state or sample_state(job), last)
+
+    await bus.through_failover(write, f"cluster state of {job}")

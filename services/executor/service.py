@@ -31,6 +31,7 @@ from nats.js.kv import KeyValue
 
 from trainmover import bus, replication
 from trainmover import metric_names as names
+from trainmover.bus.clusterstate import StateStore
 from trainmover.bushealth import BusHealth, degraded_gauge
 from trainmover.logs import get_logger
 from trainmover.messages import (
@@ -86,6 +87,7 @@ class ExecutorService:
         self._seen: set[str] = set()
         self._in_flight: set[str] | None = None
         self._last_state: ClusterState | None = None
+        self._state_store: StateStore  # the job's state: set by start()
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics = metrics or Registry()
         self._m_migrations = self.metrics.counter(
@@ -121,8 +123,10 @@ class ExecutorService:
         await bus.ensure_job(self._js, self.job)
         self._tasks.append(asyncio.create_task(self._bus_health.watch(self._nc)))
         self._kv = await self._bucket()
-        state_kv = await bus.job_bucket(self._js, self.job)
-        self._tasks.append(asyncio.create_task(self._follow_state(state_kv)))
+        # One store for the follower and the reads: a read moves only the pieces of the
+        # state that changed since the follower's last.
+        self._state_store = StateStore(await bus.job_bucket(self._js, self.job))
+        self._tasks.append(asyncio.create_task(self._follow_state(self._state_store)))
         await self._resume()
         sub = await self._js.pull_subscribe(
             self._subjects.plans,
@@ -307,21 +311,14 @@ class ExecutorService:
             await asyncio.Future()
 
     async def _current_in_flight(self) -> set[str] | None:
-        state_kv = await bus.job_bucket(self._js, self.job)
-        try:
-            entry = await state_kv.get(STATE_KEY)
-        except KeyNotFoundError:
+        stored = await self._state_store.read()
+        if stored is None:
             return None  # no planner has run yet: nothing can have been withdrawn
-        assert entry.value is not None
-        return set(decode(ClusterState, entry.value).in_flight)
+        return set(stored.state.in_flight)
 
-    async def _follow_state(self, kv: KeyValue) -> None:
-        async for entry in bus.follow(kv, STATE_KEY):
-            try:
-                state = decode(ClusterState, entry.value)
-            except MessageError as err:
-                log.error("bad_cluster_state", job=self.job, error=str(err))
-                continue
+    async def _follow_state(self, store: StateStore) -> None:
+        async for stored in store.follow():
+            state = stored.state
             self._in_flight = set(state.in_flight)
             self._seen |= self._in_flight
             for fence in to_fence(self._last_state, state):
@@ -412,9 +409,9 @@ class ExecutorService:
         """The machines that keep their roles: active in the planner's cluster state."""
 
         async def read() -> ClusterState:
-            entry = await (await bus.job_bucket(self._js, self.job)).get(STATE_KEY)
-            assert entry.value is not None
-            return decode(ClusterState, entry.value)
+            stored = await self._state_store.read()
+            assert stored is not None
+            return stored.state
 
         state = await bus.through_failover(read, STATE_KEY, attempt_s=bus.ATTEMPT_S)
         return role_holders(state)

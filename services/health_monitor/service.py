@@ -20,13 +20,13 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 
 from trainmover import bus
+from trainmover.bus.clusterstate import follow_states
 from trainmover.bushealth import BusHealth
 from trainmover.httpserver import HttpServer, Limits, json_response, metrics_response
 from trainmover.logs import get_logger
 from trainmover.messages import (
     ClusterState,
     MessageError,
-    decode,
 )
 from trainmover.services.health_monitor.config import Settings
 from trainmover.services.health_monitor.dedup import IncidentTable, SeenWindow, TokenBucket
@@ -41,7 +41,7 @@ from trainmover.services.health_monitor.rules import load_rules
 from trainmover.services.health_monitor.signals import Signals
 from trainmover.services.health_monitor.stragglers import StragglerDetector
 from trainmover.services.health_monitor.webhook import WebhookHandler
-from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.subjects import JobSubjects
 from trainmover.tasks import cancel_and_wait
 
 SERVICE = "health-monitor"
@@ -215,12 +215,7 @@ class HealthMonitor:
             except BucketNotFoundError:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-        async for entry in bus.follow(kv, STATE_KEY):
-            try:
-                state = decode(ClusterState, entry.value)
-            except MessageError as err:
-                log.error("cluster_state_invalid", job=job, reason=str(err))
-                continue
+        async for state in follow_states(kv):
             if state.job != job:
                 log.error("cluster_state_invalid", job=job, reason=f"names job {state.job!r}")
                 continue
@@ -262,13 +257,13 @@ class HealthMonitor:
         for machine in self.stragglers.machines(job):
             if machine not in active:
                 self.stragglers.forget(job, machine)
-        self.metrics.machines_watched.labels(job=job).set(len(self.tracker.watched(job)))
+        self.metrics.machines_watched.labels(job=job).set(self.tracker.watched_count(job))
         log.info(
             "cluster_state_loaded" if first else "cluster_state_updated",
             job=job,
             revision=state.revision,
             machines=len(state.machines),
-            watched=len(self.tracker.watched(job)),
+            watched=self.tracker.watched_count(job),
         )
         if self.roster.all_loaded:
             self._loaded.set()

@@ -21,11 +21,12 @@ from collections.abc import Awaitable, Callable
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from trainmover import bus
 from trainmover import metric_names as names
+from trainmover.bus.clusterstate import StateStore
 from trainmover.bushealth import BusHealth, degraded_gauge
 from trainmover.logs import get_logger
 from trainmover.messages import (
@@ -80,6 +81,7 @@ class PlannerService:
         self._instances = InstanceCheck(nc, config.job) if open_bus else None
         self._rebalance_interval_s = rebalance_interval_s
         self._kv: KeyValue | None = None
+        self._store: StateStore | None = None
         self._state: ClusterState | None = None
         self._revision = 0
         self._lock = asyncio.Lock()
@@ -120,6 +122,7 @@ class PlannerService:
 
     async def start(self) -> None:
         self._kv = await bus.ensure_job(self._js, self._job)
+        self._store = StateStore(self._kv)
         await self._load()
         self._m_pool.set(self._pool_size())
         await self._flush_outbox()
@@ -174,19 +177,16 @@ class PlannerService:
         await bus.through_failover(self._load_once, f"{STATE_KEY} of {self._job}")
 
     async def _load_once(self) -> None:
-        assert self._kv is not None
-        try:
-            entry = await self._kv.get(STATE_KEY)
-            assert entry.value is not None
-            self._state = decode(ClusterState, entry.value)
-            self._revision = entry.revision or 0
+        assert self._store is not None
+        stored = await self._store.read()
+        if stored is not None:
+            self._state = stored.state
+            self._revision = stored.revision
             log.info("state_resumed", job=self._job, revision=self._revision)
             return
-        except KeyNotFoundError:
-            pass
         state = initial_state(self._config)
         try:
-            self._revision = await self._kv.create(STATE_KEY, state.to_json())
+            self._revision = await self._store.write(state, last=None)
         except KeyWrongLastSequenceError:  # stored meanwhile (or our create's ack was lost)
             await self._load_once()
             return
@@ -198,10 +198,10 @@ class PlannerService:
 
     async def _save(self, state: ClusterState) -> None:
         """Stores `state` if nobody else wrote since we read it (one planner per job)."""
-        assert self._kv is not None
+        assert self._store is not None
         state = state.model_copy(update={"revision": state.revision + 1})
         try:
-            self._revision = await self._kv.update(STATE_KEY, state.to_json(), last=self._revision)
+            self._revision = await self._store.write(state, last=self._revision)
         except KeyWrongLastSequenceError:
             log.error(
                 "state_conflict",

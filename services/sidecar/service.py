@@ -23,6 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.errors import KeyNotFoundError
 
 from trainmover import bus, metric_names
+from trainmover.bus.clusterstate import follow_states, read_state
 from trainmover.bushealth import BusHealth, degraded_gauge
 from trainmover.httpserver import HttpServer, serve_observability
 from trainmover.logs import get_logger
@@ -34,7 +35,6 @@ from trainmover.messages import (
     Plan,
     StallReport,
     StepStats,
-    decode,
     new_id,
 )
 from trainmover.metrics import Registry
@@ -45,7 +45,7 @@ from trainmover.runtime.plan import RankRef
 from trainmover.service import write_port_file
 from trainmover.services.executor.fencing import fenced_in
 from trainmover.services.sidecar.workers import WORKER_OPS, MachineWorkers, plan_of
-from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.subjects import JobSubjects
 from trainmover.tasks import cancel_and_wait
 
 log = get_logger("sidecar")
@@ -186,10 +186,9 @@ class Sidecar:
         js = self._nc.jetstream()
         while True:
             try:
-                kv = await bus.job_bucket(js, self.job)
-                entry = await kv.get(STATE_KEY)
-                if entry.value:
-                    return decode(ClusterState, entry.value)
+                state = await read_state(await bus.job_bucket(js, self.job))
+                if state is not None:
+                    return state
             except Exception as err:  # bucket or key not there yet
                 if not isinstance(err, KeyNotFoundError):
                     log.debug("waiting_for_state", job=self.job, error=str(err))
@@ -201,10 +200,9 @@ class Sidecar:
         # One sidecar per machine reads the key while its watch is quiet: every few
         # seconds, not every second, so that a large job's sidecars do not load the
         # bucket's leader (the executor's fence command reaches a live sidecar first).
-        async for entry in bus.follow(kv, STATE_KEY, check_s=SIDECAR_STATE_CHECK_S):
-            if entry.value:
-                with contextlib.suppress(Exception):
-                    self._state = decode(ClusterState, entry.value)
+        async for state in follow_states(kv, check_s=SIDECAR_STATE_CHECK_S):
+            if state:
+                self._state = state
                 if self._state is not None and fenced_in(self._state, self.machine, self._instance):
                     # The executor's fence may never have reached us (cut off meanwhile).
                     await self._fence(self._instance)

@@ -85,6 +85,10 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else 1e3 * value
 
 
+def _kb(value: float | None) -> float | None:
+    return None if value is None else value / 1e3
+
+
 def tables(result: Result, sizes: list[int]) -> str:
     """The Markdown of a result: times, costs, and the sizes that failed."""
     times, costs, failed = [], [], []
@@ -102,9 +106,9 @@ def tables(result: Result, sizes: list[int]) -> str:
         cores = g(f"{p}.cpu_cores") or {}
         rss = g(f"{p}.rss_mib") or {}
         nats = sum(v for k, v in cores.items() if k.startswith("nats-")) if cores else None
-        state_bytes = g(f"{p}.state_bytes")
         costs.append(
-            [n, None if state_bytes is None else state_bytes / 1e3, _ms(g(f"{p}.state_put_s")),
+            [n, _kb(g(f"{p}.state_bytes")), _kb(g(f"{p}.state.whole_bytes")),
+             _kb(g(f"{p}.state.largest_value_bytes")), _ms(g(f"{p}.state_put_s")),
              _ms(g(f"{p}.state.encode_s")), _ms(g(f"{p}.state.decode_s")), g(f"{p}.startup_s"),
              *(cores.get(s) for s in ("planner", "executor", "health-monitor")), nats,
              cores.get("status-page"),
@@ -122,7 +126,8 @@ def tables(result: Result, sizes: list[int]) -> str:
         times,
     )  # fmt: skip
     text += "\nCosts (CPU in cores over the steady window, memory in MiB):\n\n" + markdown_table(
-        ["machines", "state kB", "state write ms", "encode ms", "decode ms", "start-up s",
+        ["machines", "state kB", "as one value kB", "largest value kB", "update write ms",
+         "update encode ms", "update decode ms", "start-up s",
          "planner CPU", "executor CPU", "health-monitor CPU", "nats CPU (3)", "status page CPU",
          "RSS planner/executor/monitor", "bus msgs/s in", "spurious failures"],
         costs,

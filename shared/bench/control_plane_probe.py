@@ -23,11 +23,13 @@ from typing import Any, TypeVar
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from trainmover import bus
+from trainmover import bus, statepieces
 from trainmover.bench import cpu
 from trainmover.bench.simmachine import CommandRecord
+from trainmover.bus.clusterstate import StateStore
 from trainmover.logs import get_logger
 from trainmover.messages import (
+    MAX_MESSAGE_BYTES,
     TERMINAL_STATES,
     ClusterState,
     MessageError,
@@ -149,34 +151,24 @@ def workers_busy_s(records: Iterable[CommandRecord], start: float, end: float) -
 async def newest_states(nc: NatsClient, job: str) -> AsyncIterator[ClusterState]:
     """The job's cluster state each time its watch has caught up with the writes: the
     watch carries no values (`meta_only`) and the newest is read once per burst, so a
-    follower of thousands of revisions a second (a large job starting) decodes a few of
-    them, not each (the services' own followers decode each; this one must not compete
+    follower of thousands of revisions a second (a large job starting) reads a few of
+    them, not each (the services' own followers read each; this one must not compete
     with them for the CPU)."""
     kv = await bus.job_bucket(nc.jetstream(), job)
+    store = StateStore(kv)
     watcher = await kv.watch(STATE_KEY, meta_only=True)
     try:
         async for entry in watcher:
             if entry is None or entry.delta:
                 continue  # the initial marker, or not the newest yet
-            latest = await kv.get(STATE_KEY)
-            if latest.value:
-                yield decode(ClusterState, latest.value)
+            latest = await store.read()
+            if latest is not None:
+                yield latest.state
     finally:
         await watcher.stop()
 
 
 # --- processes ---------------------------------------------------------------------------
-
-
-def rss_bytes(pid: int) -> int | None:
-    """Resident memory of process `pid` (VmRSS), None when it cannot be read."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def cpu_of(pids: dict[str, int]) -> dict[str, float]:
@@ -213,32 +205,58 @@ def _median_time(fn: Callable[[], object], n: int) -> float:
 
 
 async def state_costs(nc: NatsClient, job: str, n: int = 5) -> dict[str, Any]:
-    """The cluster state's size, and what one update of it costs: the planner's encode
-    (a copy with the next revision, as JSON), one write of that many bytes to the job's
-    bucket (to a key of its own beside the state, so nobody following the state sees it),
-    and one reader's decode. Medians of `n`."""
+    """The cluster state's size as stored (its pieces and head) and as one JSON value,
+    its largest stored value, and what one update of it costs: the planner's encode of
+    what a machine's change rewrites (the rest, the machine's shard, the head), those
+    values' writes to the job's bucket (to keys of their own beside the state's, so
+    nobody following the state sees them, as the planner writes them: together), and a
+    reader's decode of them. Medians of `n`."""
     kv = await bus.job_bucket(nc.jetstream(), job)
-    entry = await kv.get(STATE_KEY)
-    raw = entry.value or b""
-    state = decode(ClusterState, raw)
+    stored = await StateStore(kv).read()
+    assert stored is not None, "no cluster state stored"
+    state = stored.state
+    head = (await kv.get(STATE_KEY)).value or b""
+    shards = statepieces.shard_count(len(state.machines))
+    some = next(iter(state.machines), "")
+    machines = statepieces.shards_of(state.machines, shards)[statepieces.shard_of(some, shards)]
 
-    def encode() -> bytes:
-        return state.model_copy(update={"revision": state.revision + 1}).to_json()
+    def encode() -> list[bytes]:
+        nxt = state.model_copy(update={"revision": state.revision + 1})
+        pieces = [statepieces.rest_piece(nxt), statepieces.machine_piece(nxt, machines)]
+        return [p.to_json() for p in pieces]
 
+    update = [*encode(), head]
     puts = []
     for _ in range(n):
         t0 = time.perf_counter()
-        await kv.put("bench-probe", raw)
+        await asyncio.gather(*(kv.put(f"bench-probe.{i}", raw) for i, raw in enumerate(update)))
         puts.append(time.perf_counter() - t0)
-    await kv.purge("bench-probe")
+    for i in range(len(update)):
+        await kv.purge(f"bench-probe.{i}")
+    whole = state.to_json()
+    largest = max(
+        [len(head)]
+        + [
+            len(c)
+            for p in statepieces.split(state)[1].values()
+            for c in statepieces.chunks(p.to_json())
+        ]
+    )
     return {
-        "bytes": len(raw),
-        "revision": entry.revision,
+        "bytes": stored.bytes,
+        "whole_bytes": len(whole),
+        "largest_value_bytes": largest,
+        "update_bytes": sum(len(raw) for raw in update),
+        "shards": shards,
+        "revision": stored.revision,
         "machines": len(state.machines),
         "generations": len(state.generations),
         "handled": len(state.handled),
         "encode_s": _median_time(encode, n),
-        "decode_s": _median_time(lambda: decode(ClusterState, raw), n),
+        "decode_s": _median_time(lambda: [statepieces.decode_piece(r) for r in update[:2]], n),
+        "whole_decode_s": _median_time(lambda: decode(ClusterState, whole), n)
+        if len(whole) <= MAX_MESSAGE_BYTES
+        else None,
         "put_s": statistics.median(puts),
     }
 

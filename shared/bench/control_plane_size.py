@@ -31,12 +31,12 @@ from trainmover.bench.control_plane_probe import (
     cpu_between,
     cpu_of,
     newest_states,
-    rss_bytes,
     state_costs,
     status_cli_s,
     varz,
     workers_busy_s,
 )
+from trainmover.bench.memory import rss_bytes
 from trainmover.bench.report import Progress, Result
 from trainmover.bench.simhost import SimHosts
 from trainmover.bench.simmachine import SimTiming

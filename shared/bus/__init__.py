@@ -15,6 +15,8 @@ One module per job:
   `CommandServer` answers them and replays the reply for a command it already ran.
 - `follow`: `follow` yields every new value of a key-value key, checking its watch
   against a direct read while it is quiet (a watch dies with its server).
+- `clusterstate`: a job's cluster state stored as pieces under a head, so that no value
+  nears the payload limit (`StateStore`, `read_state`, `follow_states`).
 """
 
 from trainmover.bus.commands import CommandFailed, CommandServer, Handler, request

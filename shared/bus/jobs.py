@@ -18,10 +18,11 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from trainmover import replication
-from trainmover.bus.durable import BUS_FAILOVER_ERRORS, through_failover
-from trainmover.messages import MAX_MESSAGE_BYTES, ClusterState, decode
+from trainmover.bus.clusterstate import follow_states
+from trainmover.bus.durable import through_failover
+from trainmover.messages import MAX_MESSAGE_BYTES, ClusterState
 from trainmover.security import denials
-from trainmover.subjects import STATE_KEY, JobSubjects, kv_stream, kv_subjects
+from trainmover.subjects import JobSubjects, kv_stream, kv_subjects
 
 MAX_PAYLOAD = MAX_MESSAGE_BYTES
 """Largest message any service accepts (bytes); larger input is dead-lettered."""
@@ -88,22 +89,14 @@ async def state_until(
     that a server of the bus cluster took with it is set up again. Unbounded: the caller
     bounds it."""
 
-    async def watch() -> Any:
-        kv = await job_bucket(nc.jetstream(), job)
-        return await kv.watch(STATE_KEY)
+    async def bucket() -> KeyValue:
+        return await job_bucket(nc.jetstream(), job)
 
-    while True:
-        watcher = await through_failover(watch, f"watch the state of {job}")
-        try:
-            async for entry in watcher:
-                if entry is not None and entry.value:
-                    state = decode(ClusterState, entry.value)
-                    if predicate(state):
-                        return state
-        except BUS_FAILOVER_ERRORS:
-            pass
-        finally:
-            await watcher.stop()
+    kv = await through_failover(bucket, f"the state bucket of {job}")
+    async for state in follow_states(kv):
+        if predicate(state):
+            return state
+    raise AssertionError("a followed key never ends")  # pragma: no cover
 
 
 async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:

@@ -12,25 +12,20 @@ from nats.aio.msg import Msg
 from nats.js.errors import NoStreamResponseError
 
 from tests.conftest import register_job, sample_state
+from trainmover.bus.clusterstate import follow_states
 from trainmover.client import TrainMoverClient
 from trainmover.messages import ClusterState, Plan, decode
 from trainmover.runtime.config import JobConfig
 from trainmover.services.planner.service import PlannerService
-from trainmover.subjects import STATE_KEY, JobSubjects
+from trainmover.subjects import JobSubjects
 
 
 async def _stored_with_empty_outbox(nc: NatsClient, job: str) -> ClusterState:
     kv = await nc.jetstream().key_value(JobSubjects(job).bucket)
-    watcher = await kv.watch(STATE_KEY)
-    try:
-        async for entry in watcher:
-            if entry is not None and entry.value:
-                state = decode(ClusterState, entry.value)
-                if not state.outbox:
-                    return state
-    finally:
-        await watcher.stop()
-    raise AssertionError("watch ended")
+    async for state in follow_states(kv):
+        if not state.outbox:
+            return state
+    raise AssertionError("follow ended")
 
 
 async def test_a_plan_that_failed_to_publish_goes_out_once_the_bus_answers(
