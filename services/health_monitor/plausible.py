@@ -45,7 +45,7 @@ def group_machines(state: ClusterState, group: str) -> set[str] | None:
         for spec in [*plan.groups, *plan.transfers]:
             if spec.name == group:
                 machines |= {ref.machine for ref in spec.members}
-    if group not in layout.all_groups():
+    if not layout.has_group(group):
         return machines or None
     for name, m in state.machines.items():
         if m.cell is None or m.status not in HOLDING:

@@ -137,7 +137,7 @@ def latest_generations(state: ClusterState) -> dict[str, int]:
     """Per group, the highest generation built or claimed: a new plan takes the next."""
     return {
         name: max(state.generations.get(name, 0), state.claimed_generations.get(name, 0))
-        for name in state.layout.all_groups()
+        for name in state.layout.group_names()
     }
 
 
