@@ -328,10 +328,15 @@ class Migration:
         ends the others' sends (their retries to a machine that may meanwhile be
         relaunched as someone else would outlive the migration)."""
 
+        # The plan's JSON once for all: it grows with the job (a data-parallel group has
+        # a member per replica), and dumping it for each of thousands of machines made
+        # a phase O(n²) in the executor.
+        plan_json = self.plan.model_dump_json() if plan else None
+
         async def one(machine: str) -> dict[str, Any]:
             payload: dict[str, Any] = {**args, "timeout_s": self.timeout_s}
-            if plan:
-                payload["plan"] = self.plan.model_dump_json()
+            if plan_json is not None:
+                payload["plan"] = plan_json
             suffix = f".{args['step']}" if "step" in args else ""
             command = Command(
                 command_id=f"{self.plan.plan_id}.{op}.{machine}{suffix}",
