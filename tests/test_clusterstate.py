@@ -166,3 +166,33 @@ async def test_a_follower_sees_every_state_in_order_and_reads_a_whole_one_too(
     await asyncio.wait_for(following, 30)
     assert seen == [0, 1, 2, 3, 4, 5, 100]
     assert await kv.get(piece_key(REST, 0))  # the pieces stay where the head left them
+
+
+async def test_a_follower_far_behind_jumps_to_the_newest_and_stays_there(
+    nc: NatsClient, job: str
+) -> None:
+    """Behind by more than the bucket's history, the heads it has queued name pieces gone:
+    it reads the newest state once and passes over the older heads, not once each."""
+    kv, writer, state, last = await _stored_sample(nc, job)
+    seen: list[int] = []
+    first, release, caught_up = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def follow() -> None:
+        async for s in follow_states(kv):
+            seen.append(s.revision)
+            first.set()
+            if len(seen) == 1:
+                await release.wait()  # held here while the writes below queue up
+            if s.revision == 30:
+                caught_up.set()
+            if s.revision == 31:
+                return
+
+    following = asyncio.create_task(follow())
+    await asyncio.wait_for(first.wait(), 30)
+    last = await _revisions(writer, state, last, 30)
+    release.set()
+    await asyncio.wait_for(caught_up.wait(), 30)
+    await writer.write(state.model_copy(update={"revision": 31}), last=last)
+    await asyncio.wait_for(following, 30)
+    assert seen == [0, 30, 31]

@@ -139,10 +139,20 @@ class StateStore:
         """Every state from now on (first the current one), in order, as `bus.follow`
         follows the head. A head whose pieces moved on is skipped for the newest one; one
         that is not valid is logged and skipped (the next may be); a read the bus does
-        not answer (a server lost, a leader being elected) is tried again."""
+        not answer (a server lost, a leader being elected) is tried again.
+
+        A head older than the state last yielded is passed over: a follower that fell
+        more than the bucket's history behind a burst of writes (a large job starting: a
+        revision a machine) finds its head's pieces gone and jumps to the newest state;
+        the heads queued behind the one it jumped from are older, and reading each one's
+        pieces would keep it behind for good."""
+        last = 0
         async for value in follow(self._kv, STATE_KEY, check_s=check_s):
+            if value.revision <= last:
+                continue
             stored = await self._resolve_or_newest(value.value, value.revision)
             if stored is not None:
+                last = stored.revision
                 yield stored
 
     async def _resolve_or_newest(self, value: bytes, revision: int) -> Stored | None:
