@@ -77,6 +77,9 @@ class PlannerService:
             members=frozenset([*config.cluster.machines, *config.cluster.standbys])
         )
         self._refused: dict[str, str] = {}  # machine -> why its last heartbeat was turned away
+        #: Heartbeats waiting for a decision (the newest of each machine), and their signal.
+        self._beats: dict[str, Heartbeat] = {}
+        self._beats_waiting = asyncio.Event()
         #: On an open bus, who may announce a machine's new instance (`incarnation`).
         self._instances = InstanceCheck(nc, config.job) if open_bus else None
         self._rebalance_interval_s = rebalance_interval_s
@@ -152,6 +155,7 @@ class PlannerService:
             asyncio.create_task(self._pump(events, self._on_event)),
             asyncio.create_task(self._pump(progress, self._on_progress)),
             asyncio.create_task(self._send_stored_outbox()),
+            asyncio.create_task(self._decide_heartbeats()),
         ]
         if self._rebalance_interval_s:
             self._tasks.append(asyncio.create_task(self._rebalance_policy()))
@@ -314,9 +318,32 @@ class PlannerService:
         ):
             return  # taken in with a heartbeat after its sidecar answered under it
         self._refused.pop(beat.machine, None)
-        await self._decide(
-            lambda s: self._planner.on_heartbeat(s, beat, time.time()), machine=beat.machine
-        )
+        self._beats[beat.machine] = beat
+        self._beats_waiting.set()
+
+    async def _decide_heartbeats(self) -> None:
+        """Decides the heartbeats `_on_heartbeat` kept, all those that came meanwhile in
+        one decision (one state write). A large job's start admits a machine a heartbeat;
+        a write each, awaited in the subscription's callback, held every heartbeat after
+        it back until the bus dropped them (2,048 machines: tens of thousands dropped)."""
+        while True:
+            await self._beats_waiting.wait()
+            self._beats_waiting.clear()
+            beats, self._beats = list(self._beats.values()), {}
+            try:
+                await self._decide(
+                    lambda s, beats=beats: admit_all(self._planner, s, beats, time.time()),
+                    heartbeats=len(beats),
+                    machine=beats[0].machine if len(beats) == 1 else None,
+                )
+            except Exception as err:  # the bus went away mid-write: decided again later
+                log.warning(
+                    "heartbeats_undecided", job=self._job, error=f"{type(err).__name__}: {err}"
+                )
+                for beat in beats:
+                    self._beats.setdefault(beat.machine, beat)
+                await asyncio.sleep(OUTBOX_RETRY_S)
+                self._beats_waiting.set()
 
     async def _on_stats(self, msg: Msg) -> None:
         with contextlib.suppress(MessageError):
@@ -399,6 +426,20 @@ class PlannerService:
                 timeout=5,
             )
         await self._save(state.model_copy(update={"outbox": []}))
+
+
+def admit_all(planner: Planner, state: ClusterState, beats: list[Heartbeat], now: float) -> Outcome:
+    """The heartbeats' decisions one after the other, as one outcome."""
+    out = Outcome(state)
+    for beat in beats:
+        one = planner.on_heartbeat(out.state, beat, now)
+        out = Outcome(
+            one.state,
+            plans=out.plans + one.plans,
+            progress=out.progress + one.progress,
+            cancelled=out.cancelled + one.cancelled,
+        )
+    return out
 
 
 def _outbox_entries(outcome: Outcome) -> list[OutboxEntry]:

@@ -8,11 +8,12 @@ import time
 
 import pytest
 
-from trainmover.messages import DrainEvent, FailureEvent, MachineState
+from trainmover.messages import DrainEvent, FailureEvent, Heartbeat, MachineState, WorkerStatus
 from trainmover.runtime.config import ClusterConfig, JobConfig, ModelConfig
 from trainmover.runtime.layout import Layout
 from trainmover.services.planner.cluster import initial_state
 from trainmover.services.planner.decisions import Planner
+from trainmover.services.planner.service import admit_all
 
 LAYOUTS = [
     Layout(tp=2, pp=2, dp=4),
@@ -69,3 +70,37 @@ def test_a_plan_of_a_2048_machine_job_takes_a_fraction_of_a_second() -> None:
     assert [p.migration for p in drained.plans + failed.plans] == ["planned", "unplanned"]
     # The delta of one machine: its TP group, and the PP and DP groups of its 8 ranks.
     assert len(drained.plans[0].groups) == 1 + 8 + 8
+
+
+def test_heartbeats_decided_together_admit_as_each_alone() -> None:
+    """The service decides the heartbeats that came while it wrote in one decision
+    (`admit_all`): each machine's first heartbeat of a 2,048-machine start took a state
+    write of its own, and the heartbeat subscription fell behind until the bus dropped
+    its messages."""
+    layout = Layout(tp=8, pp=8, dp=32)
+    machines = [f"m{i}" for i in range(layout.machines)]
+    config = JobConfig(
+        job="big",
+        layout=layout,
+        model=ModelConfig(n_heads=8, d_model=64, n_layers=8),
+        cluster=ClusterConfig(machines=machines, standbys=["s0", "s1"]),
+    )
+    planner = Planner(members=frozenset([*machines, "s0", "s1"]))
+    beats = [
+        Heartbeat(job="big", machine=m, seq=1, status="active", instance=f"i-{m}") for m in machines
+    ] + [
+        Heartbeat(
+            job="big", machine=s, seq=1, status="standby", instance=f"i-{s}",
+            workers=[WorkerStatus(local_rank=t, state="standby") for t in range(8)],
+            warm_role_types=list(layout.role_types()),
+        )
+        for s in ("s0", "s1")
+    ]  # fmt: skip
+    state = initial_state(config)
+    together = admit_all(planner, state, beats, 1.0).state
+    alone = state
+    for beat in beats:
+        alone = planner.on_heartbeat(alone, beat, 1.0).state
+    assert together == alone
+    assert all(together.machines[m].instance == f"i-{m}" for m in machines)
+    assert {together.machines[s].status for s in ("s0", "s1")} == {"standby"}
