@@ -47,6 +47,9 @@ from trainmover.subjects import JobSubjects
 
 log = get_logger("health-monitor")
 
+#: How many machine names one log line of a mass silence carries (the count says the rest).
+LOGGED_NAMES = 32
+
 Reject = Callable[..., None]
 """The service's rejection path: (job, subject, payload, reason, category, key="")."""
 
@@ -329,17 +332,24 @@ class Signals:
     def on_lapses(self, lapses: list[Lapse], now: float) -> None:
         """New lapses and those held: each believed one fails its machine (`silence`)."""
         verdict = self.silence.judge(lapses, now, lambda job: self.tracker.watched_count(job))
+        withheld: dict[str, list[str]] = {}
         for lapse in verdict.withheld:
-            held = self.silence.held(lapse.job)
+            withheld.setdefault(lapse.job, []).append(lapse.machine)
+            self.metrics.silences_held.labels(job=lapse.job).inc()
+        # One line a job, not one a machine naming every machine held: in a mass silence
+        # of thousands that was O(n²) to write, and held the monitor's loop for seconds,
+        # long enough for the heartbeats it had not read to lapse too.
+        for job, machines in withheld.items():
+            held = self.silence.held(job)
             log.warning(
                 "silence_held",
-                job=lapse.job,
-                machine=lapse.machine,
-                silent=held,
-                reason=f"{len(held)} of the job's {self.tracker.watched_count(lapse.job)} "
+                job=job,
+                machines=machines[:LOGGED_NAMES],
+                withheld=len(machines),
+                silent=held[:LOGGED_NAMES],
+                reason=f"{len(held)} of the job's {self.tracker.watched_count(job)} "
                 "machines silent at once: a host or bus problem until a peer names one",
             )
-            self.metrics.silences_held.labels(job=lapse.job).inc()
         for lapse in verdict.believed:
             self.on_lapse(lapse)
 
