@@ -172,9 +172,15 @@ class SimHosts:
                 )  # fmt: skip
         self = cls(load_config(config_path), procs)
         try:
-            for proc in procs:
+            for index, proc in enumerate(procs):
                 assert proc.stdout is not None
-                line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+                try:
+                    line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"simulated-machine host {index + 1} of {hosts} not serving its "
+                        f"machines within {timeout_s:.0f} s"
+                    ) from None
                 if not line:
                     raise RuntimeError(f"a simulated-machine host exited ({proc.returncode})")
         except BaseException:
