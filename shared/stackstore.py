@@ -111,7 +111,7 @@ class StackStore:
 
     def serving_replica(self) -> tuple[str, str]:
         """The replica that serves now ("rendezvous-<i>") and its incarnation."""
-        from trainmover.runtime.storeclient import SERVING, probe
+        from trainmover.runtime.storelook import SERVING, probe
 
         for _ in range(3):  # a look can fail on a loaded host
             for i, port in enumerate(self.replica_ports):

@@ -45,7 +45,8 @@ from datetime import timedelta
 from trainmover.runtime.abort import AbortSignal, StepAborted
 from trainmover.runtime.machinevote import MachineTally
 from trainmover.runtime.shardvote import ShardVote, shard_addresses
-from trainmover.runtime.storeclient import ROLE_KEY, Store
+from trainmover.runtime.storeclient import Store
+from trainmover.runtime.storelook import ROLE_KEY
 
 COMMIT = "commit"
 ABORT = "abort"

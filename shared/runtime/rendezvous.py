@@ -3,9 +3,13 @@ train (the rendezvous service, or `trainmover up` itself), never on a training m
 that could be migrated away.
 
 A job runs one replica, or several (the rendezvous service's `--replicas`), of which
-exactly one serves; each names its role under ROLE_KEY (`trainmover.runtime.storeclient`),
+exactly one serves; each names its role under ROLE_KEY (`trainmover.runtime.storelook`),
 and clients use the serving one. A standby watches the others: when none serves, the
-first live replica in the list's order promotes itself, after TAKEOVER_S.
+first live replica in the list's order promotes itself, after TAKEOVER_S. A replica
+that found another alive when it started is `rejoined` until it sees one serve: one
+restarted while the job ran comes after every standby that stayed, to which the clients
+hold their spare connections already (a promoted newcomer would have every rank open
+new ones at once).
 A serving replica that sees an earlier one serving too (two sides of a healed partition)
 steps down (`demoted`): its process exits and comes back a standby, and its clients move
 to the earlier one. Replicas hold no state of their own worth keeping: clients re-cast
@@ -31,8 +35,8 @@ import torch.distributed as dist
 
 from trainmover.ports import store_addresses
 from trainmover.runtime.shardvote import SHARDS_KEY
-from trainmover.runtime.storeclient import ROLE_KEY, SERVING, STANDBY, UNKNOWN, Look
 from trainmover.runtime.storegate import Gate
+from trainmover.runtime.storelook import REJOINED, ROLE_KEY, SERVING, STANDBY, UNKNOWN, Look
 from trainmover.runtime.tcpstore import serve
 
 #: Seconds between two looks at the other replicas.
@@ -104,7 +108,8 @@ class RendezvousHost:
         self._round = threading.Condition()
         self.role = ""
         if self._peers:
-            self._set_role(STANDBY)
+            rejoined = any(peer.look() is not None for peer in self._peers)
+            self._set_role(REJOINED if rejoined else STANDBY)
             threading.Thread(target=self._watch, name="rendezvous-peers", daemon=True).start()
         else:
             self._set_role(SERVING)
@@ -136,19 +141,30 @@ class RendezvousHost:
             with self._round:
                 self.rounds += 1
                 self._round.notify_all()
-            earlier = seen[: self._index]
             serving = [i for i, s in enumerate(seen) if s is not None and s[0] == SERVING]
             if self.role == SERVING:
                 if any(i < self._index for i in serving):
                     self.demoted.set()
                     return
                 continue
+            if serving and self.role == REJOINED:
+                self._set_role(STANDBY)  # it stood by one serving: the clients reach it now
             now = time.monotonic()
             if serving or any(s is not None and s[0] == UNKNOWN for s in seen):
                 served_at = now  # one that listens and does not answer may serve
-            # The first live replica takes over; an earlier standby that lives will.
-            if now - served_at >= TAKEOVER_S and all(s is None for s in earlier):
+            # The first live replica takes over; one that ranks before this one will.
+            if now - served_at >= TAKEOVER_S and not any(
+                self._ranks_before(i, s) for i, s in enumerate(seen)
+            ):
                 self._set_role(SERVING)
+
+    def _ranks_before(self, peer: int, seen: tuple[str, str] | None) -> bool:
+        """The live peer at `peer` in the list takes over before this replica: standbys
+        that stayed before rejoined ones, each in the job's order."""
+        if seen is None:
+            return False
+        index = peer if peer < self._index else peer + 1
+        return (seen[0] == REJOINED, index) < (self.role == REJOINED, self._index)
 
     def wait_rounds(self, n: int, timeout_s: float) -> bool:
         """Until the watch has looked at its peers `n` more times; False on timeout."""

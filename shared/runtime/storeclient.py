@@ -31,35 +31,27 @@ keys again. Clients that write what changes (the progress board) use `recast=Fal
 
 from __future__ import annotations
 
-import socket
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from trainmover.ports import store_addresses
 from trainmover.runtime.steptime import WAITS
-from trainmover.runtime.storegate import local_end
+from trainmover.runtime.storelook import CONNECT_S, ROLE_KEY, SERVING, Look
+from trainmover.runtime.storewatch import Vigil, unless_ended
 from trainmover.runtime.tcpstore import connect, spares_of
 
-#: Where each replica names its role ("serving <incarnation>" or "standby <incarnation>").
-ROLE_KEY = "__trainmover/replica"
-SERVING, STANDBY = "serving", "standby"
 #: A value no key of the runtime holds: a compare-and-set expecting it only reads (the
 #: store answers the current value, or this one for a key it lacks).
 ABSENT = "__trainmover/absent"
-#: What `probe` says of a replica that listens but did not answer in time.
-UNKNOWN = "unknown"
-#: How long a connection to a replica may take (a dead host fails after this; a dead
-#: process at once).
-CONNECT_S = 0.5
-#: How long a replica that accepted the connection may take to answer (a loaded host).
-ANSWER_S = 5.0
 #: Pause between two rounds over the replicas while none serves.
 _ROUND_S = 0.1
 
@@ -68,60 +60,6 @@ T = TypeVar("T")
 
 class StoreLost(RuntimeError):
     """No replica of the rendezvous store served within the time given."""
-
-
-def reachable(host: str, port: int) -> bool:
-    """Something listens at host:port (a TCPStore client would retry for its whole
-    timeout instead)."""
-    try:
-        socket.create_connection((host, port), timeout=CONNECT_S).close()
-    except OSError:
-        return False
-    return True
-
-
-def probe(host: str, port: int, plain: bool = False) -> tuple[str, str] | None:
-    """(role, incarnation) of the replica at host:port; None when nothing listens there,
-    (UNKNOWN, "") when it listens but does not answer in time (it may well serve). With
-    `plain`, a store that names no role (any TCPStore, as the job's only one) serves, as
-    one incarnation."""
-    if not reachable(host, port):
-        return None
-    try:
-        at, to = local_end(host, port)
-        client = dist.TCPStore(at, to, is_master=False, timeout=timedelta(seconds=ANSWER_S))
-        if not client.check([ROLE_KEY]):
-            return (SERVING, "") if plain else None
-        role, _, incarnation = client.get(ROLE_KEY).decode().partition(" ")
-    except RuntimeError:
-        return UNKNOWN, ""
-    return role, incarnation
-
-
-class Look:
-    """Looks at one replica through one lasting client. A TCPStore server stalls for
-    seconds after a burst of new connections (here: a few dozen within a second), so a
-    process that looks every few milliseconds must not open a connection each time."""
-
-    def __init__(self, host: str, port: int, plain: bool = False):
-        self.host, self.port, self.plain = host, port, plain
-        #: The client of the last look that got an answer (None after a failure).
-        self.client: dist.TCPStore | None = None
-
-    def look(self) -> tuple[str, str] | None:
-        """As `probe`, reusing the client while it answers."""
-        try:
-            if self.client is None:
-                if not reachable(self.host, self.port):
-                    return None
-                self.client = connect(self.host, self.port, ANSWER_S, connect_s=ANSWER_S)
-            if not self.client.check([ROLE_KEY]):
-                return (SERVING, "") if self.plain else None
-            role, _, incarnation = self.client.get(ROLE_KEY).decode().partition(" ")
-            return role, incarnation
-        except RuntimeError:
-            self.client = None
-            return (UNKNOWN, "") if reachable(self.host, self.port) else None
 
 
 @dataclass
@@ -146,6 +84,8 @@ class Share:
         #: The serving replica's incarnation (None: not looked for yet).
         self.incarnation: str | None = None
         self._serving: tuple[str, int] | None = None
+        #: Watches the serving replica: its end releases operations in flight there.
+        self._vigil: Vigil | None = None
         self._facts: dict[str, str] = {}
         self._votes: dict[str, _Vote] = {}
         #: Per incarnation, what this process's votes added to each counter there (an
@@ -192,7 +132,10 @@ class Share:
                 before, gone = self.incarnation, self._serving
                 self._serving = None
                 if gone is not None:
-                    spares_of(*gone).flush()  # their server went with it
+                    # Asked again, its client would fail through c10d's error path,
+                    # which waits on a reverse name lookup (`storewatch`) with this
+                    # lock held: a look starts from a plain connect instead.
+                    self._looks[gone].forget()
                 self._find(deadline, gone)
                 if self.incarnation != before:
                     moved = (self.generation, self.incarnation or "")
@@ -218,6 +161,10 @@ class Share:
                             continue  # that one went too
                     self.incarnation = seen[1]
                     self.generation += 1
+                if replica != self._serving or self._vigil is None or not self._vigil.alive:
+                    if self._vigil is not None:
+                        self._vigil.close()
+                    self._vigil = Vigil(*replica)
                 self._serving = replica
                 return
             if time.monotonic() >= deadline:
@@ -226,6 +173,16 @@ class Share:
                     + (" (the one in use was lost)" if gone else "")
                 )
             time.sleep(_ROUND_S)
+
+    def ended(self, generation: int) -> concurrent.futures.Future[None]:
+        """Resolves when the replica that `generation` uses is gone (at once for a
+        generation this process has moved on from)."""
+        vigil = self._vigil
+        if generation != self.generation or vigil is None:
+            gone: concurrent.futures.Future[None] = concurrent.futures.Future()
+            gone.set_result(None)
+            return gone
+        return vigil.ended
 
     def _client(self) -> dist.TCPStore:
         """The serving replica's client of its look: a re-cast opens no connection."""
@@ -379,20 +336,26 @@ class Store:
         self,
         op: Callable[[dist.TCPStore], T],
         first: Callable[[dist.TCPStore, int], T] | None = None,
+        blocking: bool = False,
     ) -> tuple[T, int]:
         """`op` on the serving replica, retried on the next one when it is lost;
         `first(client, generation)` instead of `op` on the first attempt. The whole of it
         is waiting on the store, never computing (the progress board): a replica just
-        promoted answers a burst of reconnecting ranks seconds late."""
+        promoted answers a burst of reconnecting ranks seconds late. The caller leaves
+        an operation the moment its replica dies (`storewatch.unless_ended`; `blocking`:
+        one that waits on the store's keys)."""
         deadline = self._deadline()
         attempt = 0
         with WAITS.waiting():
             while True:
                 client, generation = self._connected(deadline)
+                ended = self.share.ended(generation)
                 try:
                     if attempt == 0 and first is not None:
-                        return first(client, generation), generation
-                    return op(client), generation
+                        call = partial(first, client, generation)
+                    else:
+                        call = partial(op, client)
+                    return unless_ended(call, ended, blocking), generation
                 except dist.DistNetworkError:
                     self._tcp = None
                     self.share.lost(generation, deadline)
@@ -411,7 +374,7 @@ class Store:
         self._run(lambda s: s.set(key, value))
 
     def get(self, key: str) -> bytes:
-        value, generation = self._run(lambda s: s.get(key))
+        value, generation = self._run(lambda s: s.get(key), blocking=True)
         return self._fact(key, value, generation)
 
     def peek(self, key: str) -> bytes | None:
@@ -427,7 +390,7 @@ class Store:
         return self._fact(key, value, generation)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        values, generation = self._run(lambda s: s.multi_get(keys))
+        values, generation = self._run(lambda s: s.multi_get(keys), blocking=True)
         return [self._fact(k, v, generation) for k, v in zip(keys, values, strict=True)]
 
     def check(self, keys: list[str]) -> bool:
@@ -439,7 +402,7 @@ class Store:
         def wait(s: dist.TCPStore) -> None:
             s.wait(keys, timedelta(seconds=max(end - time.monotonic(), 0.001)))
 
-        self._run(wait)
+        self._run(wait, blocking=True)
 
     def count(self, counter: str) -> int:
         """The counter's value (an add of 0)."""

@@ -36,6 +36,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainmover.runtime.storegate import local_end
+from trainmover.runtime.storewatch import Vigil
 
 #: Connections each process keeps open and idle to each of the job's store servers: a
 #: joiner's switch opens about this many at once (its vote's three, the progress board,
@@ -116,9 +117,16 @@ class Spares:
         self._dropped = False
         #: Counts the server's losses (`flush`): a connect begun before one is stale.
         self._lost = 0
+        #: Watches the server the ready connections reach: its death flushes them, so
+        #: that none is handed out to fail (`storewatch`: slowly, on a name lookup).
+        self._vigil: Vigil | None = None
 
     def _open_one(self, until: float, lost: int) -> None:
-        """One connection; tried again, REOPEN_PAUSE_S apart, until `until` (monotonic)."""
+        """One connection; tried again, REOPEN_PAUSE_S apart, until `until` (monotonic),
+        and for REOPEN_S more while its server listens: a connect that failed there
+        waited out the resolver, and a spare given up would be missing at the next
+        failover, when the process needs every one it has."""
+        listening_until = time.monotonic() + REOPEN_S
         while True:
             try:
                 host, port = (
@@ -134,7 +142,12 @@ class Spares:
                 with self._cond:
                     self._failed = (time.monotonic(), str(err))
                     self._cond.notify_all()
-                    if self._dropped or time.monotonic() + REOPEN_PAUSE_S > until:
+                now = time.monotonic()
+                again = now + REOPEN_PAUSE_S <= until or (
+                    now <= listening_until and _listening(self.host, self.port)
+                )
+                with self._cond:
+                    if self._dropped or not again:
                         self._opening -= 1
                         return
                 time.sleep(REOPEN_PAUSE_S)  # a server coming back: nothing to await
@@ -143,8 +156,21 @@ class Spares:
                 self._opening -= 1
                 if lost == self._lost:  # else a connection to the server that went
                     self._ready.append(client)
+                    self._watch()
                 self._cond.notify_all()
             return
+
+    def _watch(self) -> None:
+        """(The condition held.) A vigil on the server, unless one watches it already."""
+        if self._dropped or (self._vigil is not None and self._vigil.alive):
+            return
+        vigil = self._vigil = Vigil(self.host, self.port, self.gated)
+        vigil.ended.add_done_callback(lambda _: self._ended(vigil))
+
+    def _ended(self, vigil: Vigil) -> None:
+        with self._cond:
+            if vigil is self._vigil and not self._dropped:
+                self.flush()
 
     def _start(self, n: int, retry_s: float = 0.0) -> None:
         """Opens `n` more connections in the background (the condition held), each tried
@@ -207,6 +233,8 @@ class Spares:
         with self._cond:
             self._dropped = True
             self._ready.clear()
+            if self._vigil is not None:
+                self._vigil.close()
 
 
 _SPARES: dict[tuple[str, int], Spares] = {}

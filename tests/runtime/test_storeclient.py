@@ -15,15 +15,8 @@ import pytest
 
 from trainmover.freeports import free_ports
 from trainmover.runtime.rendezvous import POLL_S, TAKEOVER_S, RendezvousHost
-from trainmover.runtime.storeclient import (
-    SERVING,
-    STANDBY,
-    UNKNOWN,
-    Share,
-    Store,
-    StoreLost,
-    probe,
-)
+from trainmover.runtime.storeclient import Share, Store, StoreLost
+from trainmover.runtime.storelook import SERVING, STANDBY, UNKNOWN, probe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -173,13 +166,33 @@ def test_a_replica_restarted_unnoticed_is_not_used_until_the_process_moves(
     store.set("before", "1")
     replicas.stop(0)
     _serving(second)
-    replicas.start(0)  # back on its port, as a standby, before this process noticed
+    again = replicas.start(0)  # back on its port, as a standby, before this process noticed
     # A new client of this process checks the incarnation it reaches: the standby on
     # the old address is not it, so the process moves to the one serving.
     fresh = Store(replicas.address, 30, share=store.share)
     assert fresh.get("before") == b"1"
     assert store.share.incarnation == second.incarnation
-    assert replicas.role(0) == STANDBY
+    assert again.wait_rounds(2, 60) and replicas.role(0) == STANDBY
+
+
+def test_the_standby_that_stayed_takes_over_before_a_restarted_earlier_one(
+    replicas: Replicas,
+) -> None:
+    first, second = replicas.start(0), replicas.start(1)
+    _serving(first)
+    assert second.wait_rounds(2, 60)  # it has stood by the serving one
+    store = replicas.client()
+    store.set("before", "1")
+    replicas.stop(0)
+    # Back before the standby's takeover: earlier in the job's order, but a newcomer
+    # (the clients' spare connections are to the standby that stayed).
+    again = replicas.start(0)
+    _serving(second)
+    assert again.wait_rounds(_SPANNING_TAKEOVER, 60)
+    assert not again.promoted.is_set() and not second.demoted.is_set()
+    assert replicas.role(0) == STANDBY  # it stood by one serving: a standby like any
+    assert store.get("before") == b"1"
+    assert store.share.incarnation == second.incarnation
 
 
 def _move_away(client: Store, incarnation: str | None) -> None:

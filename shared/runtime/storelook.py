@@ -1,0 +1,100 @@
+"""A look at one replica of the rendezvous store: its role and incarnation.
+
+Each replica names its role under ROLE_KEY, "serving <incarnation>", "standby
+<incarnation>" or "rejoined <incarnation>" (`trainmover.runtime.rendezvous`). Clients and the replicas themselves
+look often, so a `Look` keeps one lasting client per replica, and a `Vigil` on it
+(`storewatch`): a replica whose process died is seen gone without an operation on the
+dead client, whose error path would wait on a reverse name lookup.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainmover.runtime.storegate import local_end
+from trainmover.runtime.storewatch import Vigil
+from trainmover.runtime.tcpstore import connect
+
+#: Where each replica names its role ("serving <incarnation>" or "standby <incarnation>").
+ROLE_KEY = "__trainmover/replica"
+SERVING, STANDBY = "serving", "standby"
+#: A standby that started while another replica lived, until it sees one serve (it came
+#: back while the job ran): every client holds spare connections to a standby that
+#: stayed, so that one takes over first (`trainmover.runtime.rendezvous`).
+REJOINED = "rejoined"
+#: What `probe` says of a replica that listens but did not answer in time.
+UNKNOWN = "unknown"
+#: How long a connection to a replica may take (a dead host fails after this; a dead
+#: process at once).
+CONNECT_S = 0.5
+#: How long a replica that accepted the connection may take to answer (a loaded host).
+ANSWER_S = 5.0
+
+
+def reachable(host: str, port: int) -> bool:
+    """Something listens at host:port (a TCPStore client would retry for its whole
+    timeout instead)."""
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_S).close()
+    except OSError:
+        return False
+    return True
+
+
+def probe(host: str, port: int, plain: bool = False) -> tuple[str, str] | None:
+    """(role, incarnation) of the replica at host:port; None when nothing listens there,
+    (UNKNOWN, "") when it listens but does not answer in time (it may well serve). With
+    `plain`, a store that names no role (any TCPStore, as the job's only one) serves, as
+    one incarnation."""
+    if not reachable(host, port):
+        return None
+    try:
+        at, to = local_end(host, port)
+        client = dist.TCPStore(at, to, is_master=False, timeout=timedelta(seconds=ANSWER_S))
+        if not client.check([ROLE_KEY]):
+            return (SERVING, "") if plain else None
+        role, _, incarnation = client.get(ROLE_KEY).decode().partition(" ")
+    except RuntimeError:
+        return UNKNOWN, ""
+    return role, incarnation
+
+
+class Look:
+    """Looks at one replica through one lasting client. A TCPStore server stalls for
+    seconds after a burst of new connections (here: a few dozen within a second), so a
+    process that looks every few milliseconds must not open a connection each time."""
+
+    def __init__(self, host: str, port: int, plain: bool = False):
+        self.host, self.port, self.plain = host, port, plain
+        #: The client of the last look that got an answer (None after a failure).
+        self.client: dist.TCPStore | None = None
+        #: Watches the client's server: once it ended, the client is not asked again.
+        self._vigil: Vigil | None = None
+
+    def look(self) -> tuple[str, str] | None:
+        """As `probe`, reusing the client while it answers."""
+        try:
+            if self._vigil is not None and not self._vigil.alive:
+                self.forget()  # its server died: asking its client would fail slowly
+            if self.client is None:
+                if not reachable(self.host, self.port):
+                    return None
+                self._vigil = Vigil(self.host, self.port)  # first: a death after it is seen
+                self.client = connect(self.host, self.port, ANSWER_S, connect_s=ANSWER_S)
+            if not self.client.check([ROLE_KEY]):
+                return (SERVING, "") if self.plain else None
+            role, _, incarnation = self.client.get(ROLE_KEY).decode().partition(" ")
+            return role, incarnation
+        except RuntimeError:
+            self.forget()
+            return (UNKNOWN, "") if reachable(self.host, self.port) else None
+
+    def forget(self) -> None:
+        """Drops the client (its server went, or it failed); the next look connects."""
+        self.client = None
+        if self._vigil is not None:
+            self._vigil.close()
+            self._vigil = None
