@@ -132,6 +132,7 @@ class Share:
                 before, gone = self.incarnation, self._serving
                 self._serving = None
                 if gone is not None:
+                    spares_of(*gone).flush()  # their server went with it
                     # Asked again, its client would fail through c10d's error path,
                     # which waits on a reverse name lookup (`storewatch`) with this
                     # lock held: a look starts from a plain connect instead.

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from trainmover.runtime.storegate import local_end
 from trainmover.runtime.storewatch import Vigil
-from trainmover.runtime.tcpstore import connect
+from trainmover.runtime.tcpstore import connect, spares_of
 
 #: Where each replica names its role ("serving <incarnation>" or "standby <incarnation>").
 ROLE_KEY = "__trainmover/replica"
@@ -78,7 +78,10 @@ class Look:
         """As `probe`, reusing the client while it answers."""
         try:
             if self._vigil is not None and not self._vigil.alive:
-                self.forget()  # its server died: asking its client would fail slowly
+                # Its server died: asked, its client or a spare of that server would fail
+                # slowly (`storewatch`); the spares are opened again for its return.
+                spares_of(self.host, self.port).flush()
+                self.forget()
             if self.client is None:
                 if not reachable(self.host, self.port):
                     return None

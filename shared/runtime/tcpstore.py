@@ -36,7 +36,6 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainmover.runtime.storegate import local_end
-from trainmover.runtime.storewatch import Vigil
 
 #: Connections each process keeps open and idle to each of the job's store servers: a
 #: joiner's switch opens about this many at once (its vote's three, the progress board,
@@ -117,9 +116,6 @@ class Spares:
         self._dropped = False
         #: Counts the server's losses (`flush`): a connect begun before one is stale.
         self._lost = 0
-        #: Watches the server the ready connections reach: its death flushes them, so
-        #: that none is handed out to fail (`storewatch`: slowly, on a name lookup).
-        self._vigil: Vigil | None = None
 
     def _open_one(self, until: float, lost: int) -> None:
         """One connection; tried again, REOPEN_PAUSE_S apart, until `until` (monotonic),
@@ -156,21 +152,8 @@ class Spares:
                 self._opening -= 1
                 if lost == self._lost:  # else a connection to the server that went
                     self._ready.append(client)
-                    self._watch()
                 self._cond.notify_all()
             return
-
-    def _watch(self) -> None:
-        """(The condition held.) A vigil on the server, unless one watches it already."""
-        if self._dropped or (self._vigil is not None and self._vigil.alive):
-            return
-        vigil = self._vigil = Vigil(self.host, self.port, self.gated)
-        vigil.ended.add_done_callback(lambda _: self._ended(vigil))
-
-    def _ended(self, vigil: Vigil) -> None:
-        with self._cond:
-            if vigil is self._vigil and not self._dropped:
-                self.flush()
 
     def _start(self, n: int, retry_s: float = 0.0) -> None:
         """Opens `n` more connections in the background (the condition held), each tried
@@ -233,8 +216,6 @@ class Spares:
         with self._cond:
             self._dropped = True
             self._ready.clear()
-            if self._vigil is not None:
-                self._vigil.close()
 
 
 _SPARES: dict[tuple[str, int], Spares] = {}
