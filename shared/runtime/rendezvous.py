@@ -5,11 +5,12 @@ that could be migrated away.
 A job runs one replica, or several (the rendezvous service's `--replicas`), of which
 exactly one serves; each names its role under ROLE_KEY (`trainmover.runtime.storelook`),
 and clients use the serving one. A standby watches the others: when none serves, the
-first live replica in the list's order promotes itself, after TAKEOVER_S. A replica
-that found another alive when it started is `rejoined` until it sees one serve: one
-restarted while the job ran comes after every standby that stayed, to which the clients
-hold their spare connections already (a promoted newcomer would have every rank open
-new ones at once).
+first live replica in the list's order promotes itself, after TAKEOVER_S. A replica is
+`fresh` from its start until it sees one serve, and fresh ones come after every standby
+that has: one restarted while the job ran leaves the takeover to a standby that stayed,
+to which the clients hold their spare connections already (a promoted newcomer would
+have every rank open new ones at once), while replicas started together still take
+over in the job's order.
 A serving replica that sees an earlier one serving too (two sides of a healed partition)
 steps down (`demoted`): its process exits and comes back a standby, and its clients move
 to the earlier one. Replicas hold no state of their own worth keeping: clients re-cast
@@ -34,9 +35,10 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from trainmover.ports import store_addresses
+from trainmover.runtime import inflight
 from trainmover.runtime.shardvote import SHARDS_KEY
 from trainmover.runtime.storegate import Gate
-from trainmover.runtime.storelook import REJOINED, ROLE_KEY, SERVING, STANDBY, UNKNOWN, Look
+from trainmover.runtime.storelook import FRESH, ROLE_KEY, SERVING, STANDBY, UNKNOWN, Look
 from trainmover.runtime.tcpstore import serve
 
 #: Seconds between two looks at the other replicas.
@@ -108,8 +110,7 @@ class RendezvousHost:
         self._round = threading.Condition()
         self.role = ""
         if self._peers:
-            rejoined = any(peer.look() is not None for peer in self._peers)
-            self._set_role(REJOINED if rejoined else STANDBY)
+            self._set_role(FRESH)
             threading.Thread(target=self._watch, name="rendezvous-peers", daemon=True).start()
         else:
             self._set_role(SERVING)
@@ -137,34 +138,45 @@ class RendezvousHost:
     def _watch(self) -> None:
         served_at = time.monotonic()
         while not self._closed.wait(POLL_S):
-            seen = [peer.look() for peer in self._peers]
-            with self._round:
-                self.rounds += 1
-                self._round.notify_all()
-            serving = [i for i, s in enumerate(seen) if s is not None and s[0] == SERVING]
-            if self.role == SERVING:
-                if any(i < self._index for i in serving):
-                    self.demoted.set()
-                    return
-                continue
-            if serving and self.role == REJOINED:
-                self._set_role(STANDBY)  # it stood by one serving: the clients reach it now
-            now = time.monotonic()
-            if serving or any(s is not None and s[0] == UNKNOWN for s in seen):
-                served_at = now  # one that listens and does not answer may serve
-            # The first live replica takes over; one that ranks before this one will.
-            if now - served_at >= TAKEOVER_S and not any(
-                self._ranks_before(i, s) for i, s in enumerate(seen)
-            ):
-                self._set_role(SERVING)
+            try:
+                with inflight.inside():
+                    served_at = self._round_of_watch(served_at)
+            except inflight.Exiting:
+                return
+            if self.demoted.is_set():
+                return
+
+    def _round_of_watch(self, served_at: float) -> float:
+        """One look at every peer and the role it calls for; returns the last time
+        (monotonic) one may have served."""
+        seen = [peer.look() for peer in self._peers]
+        with self._round:
+            self.rounds += 1
+            self._round.notify_all()
+        serving = [i for i, s in enumerate(seen) if s is not None and s[0] == SERVING]
+        now = time.monotonic()
+        if self.role == SERVING:
+            if any(i < self._index for i in serving):
+                self.demoted.set()
+            return now
+        if serving and self.role == FRESH:
+            self._set_role(STANDBY)  # it stood by one serving: the clients reach it now
+        if serving or any(s is not None and s[0] == UNKNOWN for s in seen):
+            served_at = now  # one that listens and does not answer may serve
+        # The first live replica takes over; one that ranks before this one will.
+        if now - served_at >= TAKEOVER_S and not any(
+            self._ranks_before(i, s) for i, s in enumerate(seen)
+        ):
+            self._set_role(SERVING)
+        return served_at
 
     def _ranks_before(self, peer: int, seen: tuple[str, str] | None) -> bool:
         """The live peer at `peer` in the list takes over before this replica: standbys
-        that stayed before rejoined ones, each in the job's order."""
+        that have seen one serve before fresh ones, each in the job's order."""
         if seen is None:
             return False
         index = peer if peer < self._index else peer + 1
-        return (seen[0] == REJOINED, index) < (self.role == REJOINED, self._index)
+        return (seen[0] == FRESH, index) < (self.role == FRESH, self._index)
 
     def wait_rounds(self, n: int, timeout_s: float) -> bool:
         """Until the watch has looked at its peers `n` more times; False on timeout."""

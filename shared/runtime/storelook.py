@@ -1,8 +1,8 @@
 """A look at one replica of the rendezvous store: its role and incarnation.
 
 Each replica names its role under ROLE_KEY, "serving <incarnation>", "standby
-<incarnation>" or "rejoined <incarnation>" (`trainmover.runtime.rendezvous`). Clients and the replicas themselves
-look often, so a `Look` keeps one lasting client per replica, and a `Vigil` on it
+<incarnation>" or "fresh <incarnation>" (`trainmover.runtime.rendezvous`). Clients and
+the replicas themselves look often, so a `Look` keeps one lasting client per replica, and a `Vigil` on it
 (`storewatch`): a replica whose process died is seen gone without an operation on the
 dead client, whose error path would wait on a reverse name lookup.
 """
@@ -18,13 +18,13 @@ from trainmover.runtime.storegate import local_end
 from trainmover.runtime.storewatch import Vigil
 from trainmover.runtime.tcpstore import connect, spares_of
 
-#: Where each replica names its role ("serving <incarnation>" or "standby <incarnation>").
+#: Where each replica names its role ("serving <incarnation>", "standby <incarnation>"...).
 ROLE_KEY = "__trainmover/replica"
 SERVING, STANDBY = "serving", "standby"
-#: A standby that started while another replica lived, until it sees one serve (it came
-#: back while the job ran): every client holds spare connections to a standby that
-#: stayed, so that one takes over first (`trainmover.runtime.rendezvous`).
-REJOINED = "rejoined"
+#: A standby that has not seen a replica serve since it started: every client holds
+#: spare connections to a standby that has, so that one takes over first
+#: (`trainmover.runtime.rendezvous`).
+FRESH = "fresh"
 #: What `probe` says of a replica that listens but did not answer in time.
 UNKNOWN = "unknown"
 #: How long a connection to a replica may take (a dead host fails after this; a dead

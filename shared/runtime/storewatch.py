@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from trainmover.runtime import inflight
 from trainmover.runtime.storegate import local_end
 
 T = TypeVar("T")
@@ -164,7 +165,9 @@ class _Runner:
         while True:
             call, result = self._calls.get()
             try:
-                result.set_result(call())
+                with inflight.inside():
+                    answer = call()
+                result.set_result(answer)
             except BaseException as err:  # handed to the caller, raised there
                 result.set_exception(err)
             with _IDLE_LOCK:

@@ -35,6 +35,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from trainmover.runtime import inflight
 from trainmover.runtime.storegate import local_end
 
 #: Connections each process keeps open and idle to each of the job's store servers: a
@@ -121,19 +122,15 @@ class Spares:
         """One connection; tried again, REOPEN_PAUSE_S apart, until `until` (monotonic),
         and for REOPEN_S more while its server listens: a connect that failed there
         waited out the resolver, and a spare given up would be missing at the next
-        failover, when the process needs every one it has."""
+        failover, when the process needs every one it has. A try again waits in c10d
+        only while something listens there (a plain connect, first)."""
         listening_until = time.monotonic() + REOPEN_S
+        again = until > time.monotonic()  # tried until its server is back: it may not be
         while True:
             try:
-                host, port = (
-                    local_end(self.host, self.port) if self.gated else (self.host, self.port)
-                )
-                client = dist.TCPStore(
-                    host,
-                    port,
-                    is_master=False,
-                    timeout=timedelta(seconds=self.connect_s),
-                )
+                client = self._connect(retry=again)
+            except inflight.Exiting:
+                client = None
             except RuntimeError as err:
                 with self._cond:
                     self._failed = (time.monotonic(), str(err))
@@ -150,10 +147,20 @@ class Spares:
                 continue
             with self._cond:
                 self._opening -= 1
-                if lost == self._lost:  # else a connection to the server that went
+                if client is not None and lost == self._lost:  # else stale, or exiting
                     self._ready.append(client)
                 self._cond.notify_all()
             return
+
+    def _connect(self, retry: bool) -> dist.TCPStore:
+        """A new client of the server; a `retry` fails at once while nothing listens."""
+        if retry and not _listening(self.host, self.port):
+            raise dist.DistNetworkError(f"nothing listens at {self.host}:{self.port}")
+        host, port = local_end(self.host, self.port) if self.gated else (self.host, self.port)
+        with inflight.inside():
+            return dist.TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=self.connect_s)
+            )
 
     def _start(self, n: int, retry_s: float = 0.0) -> None:
         """Opens `n` more connections in the background (the condition held), each tried

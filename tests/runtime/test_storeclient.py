@@ -141,6 +141,16 @@ def test_a_peeked_decision_is_kept_through_the_loss_like_one_read(replicas: Repl
     assert late.compare_set("s/decision", "", "commit") == b"abort"
 
 
+def test_replicas_started_together_take_over_in_the_jobs_order(replicas: Replicas) -> None:
+    # The later one up first: the first one finds it alive, yet neither has seen one
+    # serve, so the job's order decides.
+    second = replicas.start(1)
+    first = replicas.start(0)
+    _serving(first)
+    assert second.wait_rounds(_SPANNING_TAKEOVER, 60)
+    assert not second.promoted.is_set() and replicas.role(1) == STANDBY
+
+
 def test_a_restarted_replica_comes_back_a_standby(replicas: Replicas) -> None:
     first, second = replicas.start(0), replicas.start(1)
     _serving(first)
