@@ -9,6 +9,7 @@ generation, or any second claimant, can never join. The built `Group` objects ar
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -55,8 +56,18 @@ def _make_backend(
     cls: Any = dist.ProcessGroupGloo  # its stubs lack the options class
     gloo = cls._Options()
     gloo._timeout = timeout
-    gloo._devices = [cls.create_default_device() for _ in range(connections)]
+    gloo._devices = [_gloo_device(cls, i) for i in range(connections)]
     return cls(store, rank, size, gloo)
+
+
+def _gloo_device(cls: Any, index: int) -> Any:
+    """The `index`th gloo device: on the interfaces GLOO_SOCKET_IFNAME lists, in turn, as
+    c10d's own constructor does (its default device is the host name's address, which
+    a machine in a network namespace of its own cannot be reached at)."""
+    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    if not interfaces:
+        return cls.create_default_device()
+    return cls.create_device(interface=interfaces[index % len(interfaces)])
 
 
 def build_group(

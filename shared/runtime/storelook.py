@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainmover.runtime.storegate import local_end
-from trainmover.runtime.storewatch import Vigil
+from trainmover.runtime.storewatch import ReplicaEnded, Vigil, unless_ended
 from trainmover.runtime.tcpstore import connect, spares_of
 
 #: Where each replica names its role ("serving <incarnation>", "standby <incarnation>"...).
@@ -32,6 +32,8 @@ UNKNOWN = "unknown"
 CONNECT_S = 0.5
 #: How long a replica that accepted the connection may take to answer (a loaded host).
 ANSWER_S = 5.0
+#: How long a look waits for a connection to a replica that died and came back.
+REBORN_S = 0.3
 
 
 def reachable(host: str, port: int) -> bool:
@@ -65,7 +67,14 @@ def probe(host: str, port: int, plain: bool = False) -> tuple[str, str] | None:
 class Look:
     """Looks at one replica through one lasting client. A TCPStore server stalls for
     seconds after a burst of new connections (here: a few dozen within a second), so a
-    process that looks every few milliseconds must not open a connection each time."""
+    process that looks every few milliseconds must not open a connection each time.
+
+    A look's operations leave as soon as the replica's vigil ends (`unless_ended`): one
+    in flight when the server died, or sent before this process saw it die, would wait
+    on c10d's error path, and a standby's watch waiting there would delay its takeover.
+    A replica seen to die and come back is a new process: until it first answers, it
+    cannot serve (it starts `fresh`), so a look that cannot reach it within REBORN_S
+    says nothing serves there rather than holding the watch for ANSWER_S."""
 
     def __init__(self, host: str, port: int, plain: bool = False):
         self.host, self.port, self.plain = host, port, plain
@@ -73,27 +82,46 @@ class Look:
         self.client: dist.TCPStore | None = None
         #: Watches the client's server: once it ended, the client is not asked again.
         self._vigil: Vigil | None = None
+        #: The server was seen to die; its successor has not answered yet.
+        self._reborn = False
 
     def look(self) -> tuple[str, str] | None:
         """As `probe`, reusing the client while it answers."""
         try:
             if self._vigil is not None and not self._vigil.alive:
-                # Its server died: asked, its client or a spare of that server would fail
-                # slowly (`storewatch`); the spares are opened again for its return.
-                spares_of(self.host, self.port).flush()
-                self.forget()
+                self._lost()
             if self.client is None:
                 if not reachable(self.host, self.port):
                     return None
                 self._vigil = Vigil(self.host, self.port)  # first: a death after it is seen
-                self.client = connect(self.host, self.port, ANSWER_S, connect_s=ANSWER_S)
-            if not self.client.check([ROLE_KEY]):
+                within_s = REBORN_S if self._reborn else ANSWER_S
+                self.client = connect(
+                    self.host, self.port, ANSWER_S, connect_s=ANSWER_S, within_s=within_s
+                )
+            assert self._vigil is not None  # opened with the client
+            client, ended = self.client, self._vigil.ended
+            if not unless_ended(lambda: client.check([ROLE_KEY]), ended):
                 return (SERVING, "") if self.plain else None
-            role, _, incarnation = self.client.get(ROLE_KEY).decode().partition(" ")
+            role, _, incarnation = (
+                unless_ended(lambda: client.get(ROLE_KEY), ended).decode().partition(" ")
+            )
+            self._reborn = False
             return role, incarnation
+        except ReplicaEnded:
+            self._lost()
+            return None
         except RuntimeError:
             self.forget()
+            if self._reborn:
+                return None
             return (UNKNOWN, "") if reachable(self.host, self.port) else None
+
+    def _lost(self) -> None:
+        """Its server died: asked, its client or a spare of that server would fail slowly
+        (`storewatch`); the spares are opened again for its return."""
+        spares_of(self.host, self.port).flush()
+        self.forget()
+        self._reborn = True
 
     def forget(self) -> None:
         """Drops the client (its server went, or it failed); the next look connects."""

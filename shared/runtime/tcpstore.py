@@ -47,6 +47,9 @@ LOCAL_SPARES = 4
 #: Seconds spares lost with their server are tried again for (a restarted replica takes
 #: seconds to import torch and come back on its port).
 REOPEN_S = 60.0
+#: Longest wait of one connect in c10d (which itself tries again within it, so a try
+#: that fails takes up to about twice this); a longer wait is made of several tries.
+TRY_S = 1.0
 #: Seconds between two tries of a spare whose server is not back.
 REOPEN_PAUSE_S = 0.5
 #: Connects a caller that finds no idle connection starts beside those in flight: the
@@ -119,13 +122,16 @@ class Spares:
         self._lost = 0
 
     def _open_one(self, until: float, lost: int) -> None:
-        """One connection; tried again, REOPEN_PAUSE_S apart, until `until` (monotonic),
-        and for REOPEN_S more while its server listens: a connect that failed there
-        waited out the resolver, and a spare given up would be missing at the next
-        failover, when the process needs every one it has. A try again waits in c10d
-        only while something listens there (a plain connect, first)."""
-        listening_until = time.monotonic() + REOPEN_S
-        again = until > time.monotonic()  # tried until its server is back: it may not be
+        """One connection; tried again, REOPEN_PAUSE_S apart, for `connect_s` or until
+        `until` (monotonic), and for REOPEN_S more while its server listens: a connect
+        that failed there waited out the resolver, and a spare given up would be missing
+        at the next failover, when the process needs every one it has. Each try waits
+        in c10d for at most TRY_S, and a try again only while something listens there
+        (a plain connect, first): a process that exits never waits long for one
+        (`inflight`)."""
+        now = time.monotonic()
+        listening_until, until = now + REOPEN_S, max(until, now + self.connect_s)
+        again = until > now + self.connect_s  # tried until its server is back: it may not be
         while True:
             try:
                 client = self._connect(retry=again)
@@ -159,7 +165,7 @@ class Spares:
         host, port = local_end(self.host, self.port) if self.gated else (self.host, self.port)
         with inflight.inside():
             return dist.TCPStore(
-                host, port, is_master=False, timeout=timedelta(seconds=self.connect_s)
+                host, port, is_master=False, timeout=timedelta(seconds=min(self.connect_s, TRY_S))
             )
 
     def _start(self, n: int, retry_s: float = 0.0) -> None:
@@ -250,10 +256,17 @@ def forget(host: str, port: int) -> None:
 
 
 def connect(
-    host: str, port: int, timeout_s: float, connect_s: float = 30.0, gated: bool = True
+    host: str,
+    port: int,
+    timeout_s: float,
+    connect_s: float = 30.0,
+    gated: bool = True,
+    within_s: float | None = None,
 ) -> dist.TCPStore:
     """A client of the store at host:port, of the caller's own, taken from this process's
-    spare connections; its operations time out after `timeout_s`."""
-    client = spares_of(host, port, connect_s, gated).take(max(timeout_s, connect_s))
+    spare connections (waiting for one `within_s`, by default the longer of the two
+    timeouts); its operations time out after `timeout_s`."""
+    spares = spares_of(host, port, connect_s, gated)
+    client = spares.take(max(timeout_s, connect_s) if within_s is None else within_s)
     client.set_timeout(timedelta(seconds=timeout_s))
     return client

@@ -1,6 +1,7 @@
 """A replica's death seen without a c10d operation: a vigil on a store server in another
 process ends when that process is killed, and a caller waiting on an operation there
-leaves it at once while the operation itself is still blocked."""
+leaves it at once while the operation itself is still blocked; a look at a replica seen to
+die does not wait on its successor before that answers."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import concurrent.futures
 import signal
 import subprocess
 import sys
+import socket
 import threading
+import time
 
 import pytest
 
 from trainmover.freeports import free_ports
+from trainmover.runtime.storelook import ANSWER_S, SERVING, Look
 from trainmover.runtime.storewatch import ReplicaEnded, Vigil, unless_ended
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,3 +66,26 @@ def test_an_answered_operation_returns_its_value() -> None:
     ended.set_result(None)
     with pytest.raises(ReplicaEnded):
         unless_ended(lambda: 9, ended, blocking=False)  # not sent to a replica that went
+
+
+def test_a_replica_that_died_and_listens_again_unanswering_is_not_taken_to_serve() -> None:
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        look = Look("127.0.0.1", port, plain=True)
+        assert look.look() == (SERVING, "")
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        # Its successor listens and has not answered yet: a new process, which cannot
+        # serve before it has (a standby waiting on it would put off its takeover).
+        mute = socket.create_server(("127.0.0.1", port))
+        try:
+            began = time.monotonic()
+            assert look.look() is None
+            assert time.monotonic() - began < ANSWER_S
+        finally:
+            mute.close()
+    finally:
+        server.kill()
+        server.wait()
