@@ -6,12 +6,14 @@ die does not wait on its successor before that answers."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import signal
+import socket
 import subprocess
 import sys
-import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -27,11 +29,20 @@ _SERVER = (
 )
 
 
-def test_a_vigil_ends_when_its_servers_process_is_killed() -> None:
+@contextlib.contextmanager
+def _server() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A store server in a process of its own, and its port."""
     server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
-        port = int(server.stdout.readline())
+        yield server, int(server.stdout.readline())
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_vigil_ends_when_its_servers_process_is_killed() -> None:
+    with _server() as (server, port):
         vigil = Vigil("127.0.0.1", port, gated=False)
         assert vigil.alive
         with pytest.raises(concurrent.futures.TimeoutError):
@@ -39,9 +50,6 @@ def test_a_vigil_ends_when_its_servers_process_is_killed() -> None:
         server.send_signal(signal.SIGKILL)
         vigil.ended.result(timeout=10)
         assert not vigil.alive
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_a_vigil_on_nothing_has_ended_at_once() -> None:
@@ -69,10 +77,7 @@ def test_an_answered_operation_returns_its_value() -> None:
 
 
 def test_a_replica_that_died_and_listens_again_unanswering_is_not_taken_to_serve() -> None:
-    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
+    with _server() as (server, port):
         look = Look("127.0.0.1", port, plain=True)
         assert look.look() == (SERVING, "")
         server.send_signal(signal.SIGKILL)
@@ -86,6 +91,3 @@ def test_a_replica_that_died_and_listens_again_unanswering_is_not_taken_to_serve
             assert time.monotonic() - began < ANSWER_S
         finally:
             mute.close()
-    finally:
-        server.kill()
-        server.wait()
