@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.errors import MaxPayloadError
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from tests.conftest import sample_state
@@ -196,3 +197,29 @@ async def test_a_follower_far_behind_jumps_to_the_newest_and_stays_there(
     await writer.write(state.model_copy(update={"revision": 31}), last=last)
     await asyncio.wait_for(following, 30)
     assert seen == [0, 30, 31]
+
+
+async def test_an_update_sent_again_after_it_landed_is_not_taken_for_another_writer(
+    nc: NatsClient, job: str
+) -> None:
+    kv, writer, state, revision = await _stored_sample(nc, job)
+    update = kv.update
+
+    async def sent_twice(key: str, value: bytes, last: int | None = None) -> int:
+        # What a client does when the first answer is lost: the same request again,
+        # which the server, holding the first, refuses as a wrong last revision.
+        await update(key, value, last=last)
+        return await update(key, value, last=last)
+
+    kv.update = sent_twice  # type: ignore[method-assign]
+    newer = state.model_copy(update={"revision": state.revision + 1})
+    landed = await writer.write(newer, last=revision)
+    assert landed > revision
+    read = await StateStore(kv).read()
+    assert read is not None and read.state == newer and read.revision == landed
+    # Another writer's head is still a conflict.
+    other = StateStore(kv)
+    await other.write(newer.model_copy(update={"revision": newer.revision + 1}), last=landed)
+    kv.update = update  # type: ignore[method-assign]
+    with pytest.raises(KeyWrongLastSequenceError):
+        await writer.write(newer.model_copy(update={"revision": 99}), last=landed)

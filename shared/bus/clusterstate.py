@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from nats import errors as nats_errors
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from trainmover.bus.follow import CHECK_S, follow
@@ -178,7 +178,8 @@ class StateStore:
         """Stores `state`: the pieces that changed, then the head, created (`last` None)
         or updated if its revision is still `last`; returns the head's new revision.
         Raises what the head's create or update raises (KeyWrongLastSequenceError: someone
-        else wrote), and then forgets what it knew of the stored pieces."""
+        else wrote; not when the head found is this very one, stored by an earlier try),
+        and then forgets what it knew of the stored pieces."""
         shards = shard_count(len(state.machines))
         resharded = shards != sum(1 for n in self._pieces if n not in (REST, HANDLED))
         pieces = {REST: rest_piece(state)}
@@ -204,16 +205,34 @@ class StateStore:
             pieces={n: list(stored[n].revisions) for n in names},
             bytes=sum(stored[n].size for n in names),
         )
+        value = head.to_json()
         try:
-            if last is None:
-                revision = await self._kv.create(STATE_KEY, head.to_json())
-            else:
-                revision = await self._kv.update(STATE_KEY, head.to_json(), last=last)
+            try:
+                if last is None:
+                    revision = await self._kv.create(STATE_KEY, value)
+                else:
+                    revision = await self._kv.update(STATE_KEY, value, last=last)
+            except KeyWrongLastSequenceError:
+                landed = await self._landed(value)
+                if landed is None:
+                    raise
+                revision = landed
         except Exception:
             self._pieces.clear()
             raise
         self._pieces = {n: stored[n] for n in names}
         return int(revision)
+
+    async def _landed(self, value: bytes) -> int | None:
+        """The head's revision if it is `value`, this writer's own head: its pieces'
+        revisions were made by this writer's puts alone, so an equal head is the one an
+        earlier try of the same update stored (the request sent again after its answer
+        was lost), not another writer's."""
+        try:
+            entry = await self._kv.get(STATE_KEY)
+        except KeyNotFoundError:
+            return None
+        return int(entry.revision or 0) if entry.value == value else None
 
     async def _put(self, name: str, raw: bytes) -> tuple[int, ...]:
         parts = chunks(raw)
