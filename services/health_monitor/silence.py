@@ -9,8 +9,12 @@ while more than half of them are silent (a lapse waits one heartbeat interval, s
 those of one cause are judged together); the other lapses are *held*. A held machine is
 believed when a later window has room for it, or earlier by corroboration that does not
 go through here: a failed collective a peer reports, the progress board's stall report,
-a worker's exit (machines that really died have live peers that see it). A held machine
-heard again is forgotten: the silence was the host's or the bus's, and nothing moved.
+a worker's exit (machines that really died have live peers that see it). A machine held
+in a mass silence is believed only once it stays silent a whole window after the mass
+ended: its silence until then is explained by the host's or the bus's, and the others
+come back one by one (a held machine still silent when the last but one is heard is
+most often the next to be heard, not a failure). A held machine heard again is
+forgotten: the silence was the host's or the bus's, and nothing moved.
 
 Time is an argument (monotonic seconds), so this is tested without clocks or processes.
 """
@@ -29,6 +33,8 @@ class _Held:
     lapse: Lapse
     since: float
     reported: bool = False
+    #: When it was last held in a mass silence (too many of its job silent at once).
+    massed_at: float = -math.inf
 
 
 @dataclass
@@ -75,10 +81,13 @@ class SilenceGate:
                 key=lambda h: -h.lapse.silent_s,  # the longest silent first
             )
             silent, limit = len(recent) + len(held), self.limit(watched(job))
+            if 2 * silent > watched(job):
+                for h in held:
+                    h.massed_at = now
             if 2 * silent > watched(job) or (silent > limit and recent):
                 admitted = []  # a host or bus problem, until a window has room or one is named
             else:
-                admitted = settled[:limit]
+                admitted = [h for h in settled if now - h.massed_at >= self.window_s][:limit]
             for h in admitted:
                 del self._held[(job, h.lapse.machine)]
                 recent[h.lapse.machine] = now

@@ -59,8 +59,24 @@ def test_lapses_of_one_cause_within_a_heartbeat_interval_are_judged_together() -
     assert gate.held("j") == ["m0", "m1", "m3", "s0"]
     for machine in ("m1", "s0", "m3"):
         gate.heard("j", machine)
-    # m0 alone stays silent: believed once settled (it was, long ago).
-    assert machines(gate.judge([], 10.7, watched)) == ["m0"]
+    # m0 alone stays silent: believed once silent a whole window after the mass ended.
+    assert machines(gate.judge([], 10.7, watched)) == []
+    assert machines(gate.judge([], 12.2, watched)) == ["m0"]
+
+
+def test_the_last_machine_heard_after_a_mass_silence_is_not_failed() -> None:
+    gate = SilenceGate(fraction=0.25, window_s=10.0, settle_s=0.2)
+    watched = lambda job: 7  # noqa: E731 - 4 machines and 3 standbys
+    everyone = ["m0", "m1", "m2", "m3", "s0", "s1", "s2"]
+    assert gate.judge([lapse(m, 10.0) for m in everyone], 20.0, watched).believed == []
+    assert machines(gate.judge([], 20.3, watched)) == []  # settled, and all held
+    # The host comes back: the machines are heard one by one, m3 last.
+    for machine in everyone:
+        if machine != "m3":
+            gate.heard("j", machine)
+    assert machines(gate.judge([], 20.35, watched)) == []  # m3 silent since the mass only
+    assert gate.heard("j", "m3")  # heard too: nothing failed
+    assert machines(gate.judge([], 30.5, watched)) == [] and gate.held("j") == []
 
 
 def test_jobs_are_judged_apart_and_a_heard_machine_that_was_not_held_is_no_news() -> None:
