@@ -6,11 +6,17 @@ and nats-py waits that way on every flush, request and fetch. A loop around such
 then carries on as if never cancelled, and a stop that awaits it hangs for good (seen
 in CI: a heartbeat loop flushing every 50 ms held a test's teardown for 5 minutes).
 `cancel_and_wait` cancels again until the task ends, and names what would not.
+
+`until_set` waits for a thread's Event without asyncio's default executor, whose
+threads the loop joins when it closes: one still waiting there held a stopped service's
+exit until it was killed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -70,3 +76,22 @@ def _where(task: asyncio.Future[Any]) -> str:
         return "?"
     frame = frames[-1]
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+async def until_set(event: threading.Event) -> None:
+    """Returns once `event` is set, waited for on a daemon thread of its own (module
+    docstring): a loop that closes meanwhile leaves it behind."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def wait() -> None:
+        event.wait()
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle)
+
+    threading.Thread(target=wait, name="event-wait", daemon=True).start()
+    await done

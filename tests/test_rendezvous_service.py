@@ -154,6 +154,25 @@ async def test_a_standby_replica_serves_when_the_serving_one_is_killed(tmp_path:
         services[0].proc.kill()
         services[0].wait(60)
         await poll(lambda: role(1) == "serving" or None, "the standby to take over", timeout=60)
+        # Stopped, it ends at once (SIGKILL after 10 s would give -9).
+        assert services[1].stop() == 0, services[1].log_tail()
     finally:
         for service in services:
             service.stop()
+
+
+async def test_a_standby_replica_stops_when_asked(tmp_path: Path) -> None:
+    from trainmover.freeports import free_ports
+
+    address = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
+    argv = _cli("service", "rendezvous", "--http-port", "0", "--port-file",
+                str(tmp_path / "1.port"), "--replicas", address, "--replica-index", "1")  # fmt: skip
+    standby = Program("rendezvous-1", argv, tmp_path).start()
+    try:
+        port_file = tmp_path / "1.port"
+        await poll(lambda: port_file.exists() and port_file.read_text().strip() or None,
+                   "the standby to listen")  # fmt: skip
+        # It waits for a promotion that never comes (no other replica): SIGTERM ends it.
+        assert standby.stop() == 0, standby.log_tail()
+    finally:
+        standby.stop()

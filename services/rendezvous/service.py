@@ -24,6 +24,7 @@ from trainmover.ports import store_addresses
 from trainmover.runtime.rendezvous import RendezvousHost
 from trainmover.runtime.storegate import register
 from trainmover.service import write_port_file
+from trainmover.tasks import until_set
 
 log = get_logger("rendezvous")
 
@@ -82,9 +83,9 @@ class RendezvousService:
     async def _follow(self, host: RendezvousHost) -> None:
         """Logs the replica's promotion; stops the service when it steps down."""
         if host.role != "serving":
-            await asyncio.to_thread(host.promoted.wait)
+            await until_set(host.promoted)
             log.warning("rendezvous_promoted", store=host.address, incarnation=host.incarnation)
-        await asyncio.to_thread(host.demoted.wait)
+        await until_set(host.demoted)
         log.error("rendezvous_demoted", store=host.address, reason="an earlier replica serves")
         os.kill(os.getpid(), signal.SIGTERM)
 
