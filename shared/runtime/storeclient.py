@@ -374,14 +374,8 @@ class Store:
             self.share.fact(key, value, self.share.generation, self._deadline())
         self._run(lambda s: s.set(key, value))
 
-    # A key already there is read in a round trip on the caller's thread; only a wait for
-    # one that is not runs on a helper thread (`unless_ended`: a hand-off costs more than
-    # the round trip, and a vote makes several).
-
     def get(self, key: str) -> bytes:
-        value, generation = self._run(lambda s: s.compare_set(key, ABSENT, ABSENT))
-        if value == ABSENT.encode():
-            value, generation = self._run(lambda s: s.get(key), blocking=True)
+        value, generation = self._run(lambda s: s.get(key), blocking=True)
         return self._fact(key, value, generation)
 
     def peek(self, key: str) -> bytes | None:
@@ -397,8 +391,7 @@ class Store:
         return self._fact(key, value, generation)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        present = self.check(keys)
-        values, generation = self._run(lambda s: s.multi_get(keys), blocking=not present)
+        values, generation = self._run(lambda s: s.multi_get(keys), blocking=True)
         return [self._fact(k, v, generation) for k, v in zip(keys, values, strict=True)]
 
     def check(self, keys: list[str]) -> bool:
@@ -410,8 +403,7 @@ class Store:
         def wait(s: dist.TCPStore) -> None:
             s.wait(keys, timedelta(seconds=max(end - time.monotonic(), 0.001)))
 
-        if not self.check(keys):
-            self._run(wait, blocking=True)
+        self._run(wait, blocking=True)
 
     def count(self, counter: str) -> int:
         """The counter's value (an add of 0)."""
