@@ -7,6 +7,9 @@ then carries on as if never cancelled, and a stop that awaits it hangs for good 
 in CI: a heartbeat loop flushing every 50 ms held a test's teardown for 5 minutes).
 `cancel_and_wait` cancels again until the task ends, and names what would not.
 
+`gather_all` awaits several at once, and the first to fail ends the others: what
+is left running after a failure would outlive its caller.
+
 `until_set` waits for a thread's Event without asyncio's default executor, whose
 threads the loop joins when it closes: one still waiting there held a stopped service's
 exit until it was killed.
@@ -17,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
 
 from trainmover.logs import get_logger
+
+T = TypeVar("T")
 
 log = get_logger("tasks")
 
@@ -76,6 +81,19 @@ def _where(task: asyncio.Future[Any]) -> str:
         return "?"
     frame = frames[-1]
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """The results of `aws`, run together; the first to raise cancels the others,
+    which are waited out before its exception propagates."""
+    futures = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*futures))
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        await asyncio.gather(*futures, return_exceptions=True)
+        raise
 
 
 async def until_set(event: threading.Event) -> None:

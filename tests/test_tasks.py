@@ -1,10 +1,13 @@
-"""cancel_and_wait: a stop ends even when a task loses a cancellation."""
+"""cancel_and_wait: a stop ends even when a task loses a cancellation; gather_all: the
+first failure ends the others before it is raised."""
 
 from __future__ import annotations
 
 import asyncio
 
-from trainmover.tasks import cancel_and_wait
+import pytest
+
+from trainmover.tasks import cancel_and_wait, gather_all
 
 
 async def test_a_task_that_lost_a_cancellation_is_cancelled_again() -> None:
@@ -83,3 +86,31 @@ async def test_a_task_failing_as_it_stops_does_not_fail_the_stop() -> None:
     await started.wait()
     assert await cancel_and_wait([task], owner="test") == []
     assert isinstance(task.exception(), RuntimeError)
+
+
+async def test_gather_all_gives_every_result_in_order() -> None:
+    async def after(delay: float, value: int) -> int:
+        await asyncio.sleep(delay)
+        return value
+
+    assert await gather_all([after(0.02, 1), after(0.0, 2), after(0.01, 3)]) == [1, 2, 3]
+
+
+async def test_the_first_failure_ends_the_others_before_it_is_raised() -> None:
+    waiting = asyncio.Event()
+    ended: list[str] = []
+
+    async def waits_forever() -> None:
+        try:
+            waiting.set()
+            await asyncio.Event().wait()
+        finally:
+            ended.append("waiter")
+
+    async def fails() -> None:
+        await waiting.wait()
+        raise RuntimeError("machine m3 refused")
+
+    with pytest.raises(RuntimeError, match="m3 refused"):
+        await gather_all([waits_forever(), fails()])
+    assert ended == ["waiter"]

@@ -26,7 +26,7 @@ and the sidecars answer a command they already ran from their memory of it.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -46,8 +46,10 @@ from trainmover.messages import (
     MigrationState,
     Plan,
 )
+from trainmover.planwire import plan_args
 from trainmover.runtime.supervisor import WorkerDied
 from trainmover.services.executor.switch import COMMIT_ROUNDS, judge_commit, switch_step
+from trainmover.tasks import gather_all
 
 log = get_logger("executor")
 
@@ -149,6 +151,13 @@ class Migration:
     @property
     def plan(self) -> Plan:
         return self.record.plan
+
+    @functools.cached_property
+    def _plan_args(self) -> dict[str, str]:
+        # Encoded once for every command of the migration: the plan grows with the job
+        # (a data-parallel group has a member per replica), and encoding it for each of
+        # thousands of machines made a round O(n²) in the executor.
+        return plan_args(self.plan)
 
     @property
     def moves(self) -> dict[str, str]:
@@ -278,8 +287,14 @@ class Migration:
         if not stayers:
             # Every machine of the job was replaced: no rank's timeline spans the move.
             return
-        before = await self._all("steps", stayers, plan=False, step=k)
-        after = await self._all("steps", after_machines, plan=False, step=k + 1)
+        # One round, not two: each machine answers once its step is over, and the
+        # stayers' step k ended before anyone's k + 1 could.
+        before, after = await gather_all(
+            [
+                self._all("steps", stayers, plan=False, step=k),
+                self._all("steps", after_machines, plan=False, step=k + 1),
+            ]
+        )
         before_end = max(float(r["t_end"]) for r in before.values())
         after_end = max(float(r["t_end"]) for r in after.values())
         median = statistics.median(float(r["median_step_s"]) for r in before.values())
@@ -328,15 +343,10 @@ class Migration:
         ends the others' sends (their retries to a machine that may meanwhile be
         relaunched as someone else would outlive the migration)."""
 
-        # The plan's JSON once for all: it grows with the job (a data-parallel group has
-        # a member per replica), and dumping it for each of thousands of machines made
-        # a phase O(n²) in the executor.
-        plan_json = self.plan.model_dump_json() if plan else None
+        carried = self._plan_args if plan else {}
 
         async def one(machine: str) -> dict[str, Any]:
-            payload: dict[str, Any] = {**args, "timeout_s": self.timeout_s}
-            if plan_json is not None:
-                payload["plan"] = plan_json
+            payload: dict[str, Any] = {**args, **carried, "timeout_s": self.timeout_s}
             suffix = f".{args['step']}" if "step" in args else ""
             command = Command(
                 command_id=f"{self.plan.plan_id}.{op}.{machine}{suffix}",
@@ -354,14 +364,7 @@ class Migration:
                 )
             return reply.result
 
-        sends = [asyncio.ensure_future(one(m)) for m in machines]
-        try:
-            results = await asyncio.gather(*sends)
-        except BaseException:
-            for send in sends:
-                send.cancel()
-            await asyncio.gather(*sends, return_exceptions=True)
-            raise
+        results = await gather_all(one(m) for m in machines)
         return dict(zip(machines, results, strict=True))
 
     async def _request(self, command: Command) -> CommandReply:

@@ -43,6 +43,7 @@ from trainmover.messages import (
     decode,
 )
 from trainmover.metrics import Registry
+from trainmover.planwire import plan_args
 from trainmover.services.executor.fencing import Fence, to_fence
 from trainmover.services.executor.migration import Migration, MigrationRecord
 from trainmover.services.planner.cluster import role_holders
@@ -372,7 +373,7 @@ class ExecutorService:
             machine=machine,
             op="abort",
             plan_id=plan.plan_id,
-            args={"plan": plan.model_dump_json(), "timeout_s": self.timeout_s},
+            args={**plan_args(plan), "timeout_s": self.timeout_s},
         )
         try:
             reply = await bus.request(self._nc, command, timeout=30.0, deadline_s=self.timeout_s)

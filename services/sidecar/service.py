@@ -38,13 +38,14 @@ from trainmover.messages import (
     new_id,
 )
 from trainmover.metrics import Registry
+from trainmover.planwire import plan_of
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig, records_on_the_bus
 from trainmover.runtime.launcher import REFERENCE_ENTRY
 from trainmover.runtime.plan import RankRef
 from trainmover.service import write_port_file
 from trainmover.services.executor.fencing import fenced_in
-from trainmover.services.sidecar.workers import WORKER_OPS, MachineWorkers, plan_of
+from trainmover.services.sidecar.workers import WORKER_OPS, MachineWorkers
 from trainmover.subjects import JobSubjects
 from trainmover.tasks import cancel_and_wait
 

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainmover.messages import ClusterState, Command, Plan, WorkerState, WorkerStatus, decode
+from trainmover.messages import ClusterState, Command, Plan, WorkerState, WorkerStatus
+from trainmover.planwire import plan_of
 from trainmover.runtime import control as c
 from trainmover.runtime.config import JobConfig, save_config
 from trainmover.runtime.launcher import ControlServer, WorkerProcess, WorkerStarter
@@ -37,14 +38,6 @@ WORKER_OPS = frozenset(
      "transfer"}
 )  # fmt: skip
 """The ops `MachineWorkers.handle` runs: those that need nothing but the workers."""
-
-
-def plan_of(command: Command) -> Plan:
-    """The plan a command carries (args.plan, as JSON text)."""
-    raw = command.args.get("plan")
-    if not isinstance(raw, str):
-        raise ValueError(f"{command.op} needs args.plan, the plan as JSON text")
-    return decode(Plan, raw)
 
 
 @dataclass

@@ -34,9 +34,9 @@ from nats.aio.client import Client as NatsClient
 from trainmover import bus
 from trainmover.logs import get_logger
 from trainmover.messages import Command, Heartbeat, Plan, StepStats, WorkerStatus, new_id
+from trainmover.planwire import plan_of
 from trainmover.runtime.config import JobConfig
 from trainmover.services.executor.switch import TOO_LATE
-from trainmover.services.sidecar.workers import plan_of
 from trainmover.subjects import JobSubjects
 from trainmover.tasks import cancel_and_wait
 

@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from tests.conftest import register_job, sample_state
 from trainmover import bus
 from trainmover.messages import Command, DrainEvent, FailureEvent, Heartbeat, decode
+from trainmover.planwire import plan_args
 from trainmover.runtime.config import JobConfig
 from trainmover.services.planner.decisions import Planner
 from trainmover.services.sidecar.service import Sidecar, SidecarSettings
@@ -96,7 +97,7 @@ async def test_a_standby_not_warm_yet_refuses_a_role(
                 machine="s0",
                 op=op,
                 plan_id=plan.plan_id,
-                args={"plan": plan.model_dump_json(), "timeout_s": 5.0},
+                args={**plan_args(plan), "timeout_s": 5.0},
             )
             reply = await bus.request(nc, command, timeout=10.0)
             assert not reply.ok, op
