@@ -6,7 +6,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -22,6 +21,7 @@ from trainmover.runtime.progress import (
     judge,
 )
 from trainmover.runtime.steptime import WAITS
+from trainmover.runtime.tcpstore import serve
 
 
 def _entry(
@@ -243,10 +243,14 @@ def _boards(
     """`world` ranks' beacons on a real store, each in step 5 of epoch e0; with
     `per_machine` > 1, machines of that many ranks fold their entries in a machine store.
 
+    The job's store listens as the runtime's do (`tcpstore.serve`): one that c10d
+    listens for itself, dual-stack, names each of the boards' connections with a name
+    lookup on its one thread, and a lookup the resolver drops held every board 5 s.
+
     Each board is made on a thread of its own that stays alive and never waits: its
     rank's training thread, busy computing. Made on the test's thread, every board would
     see the test's own reads of the store as its training thread waiting."""
-    host = host or dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    host = host or serve("127.0.0.1", timeout_s=10)
     address = f"127.0.0.1:{host.port}"
     machines = [MachineStore() for _ in range(world // per_machine)] if per_machine > 1 else []
     boards: list[ProgressBoard | None] = [None] * world
@@ -333,7 +337,7 @@ def test_a_leaver_that_handed_its_role_over_is_not_judged() -> None:
 
 
 def test_a_machine_writes_its_ranks_entries_as_one_and_each_rank_is_still_judged() -> None:
-    job = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    job = serve("127.0.0.1", timeout_s=10)
     with _boards(6, per_machine=2, host=job) as boards:
         for board in boards:
             board.progress.done = 2
@@ -377,7 +381,7 @@ def test_a_machine_writes_its_ranks_entries_as_one_and_each_rank_is_still_judged
 
 
 def test_a_machine_entry_that_is_not_one_reads_as_none_written() -> None:
-    job = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    job = serve("127.0.0.1", timeout_s=10)
     with _boards(4, per_machine=2, host=job) as boards:
         _until(lambda: None not in boards[0].read().values(), "entry of every rank")
         boards[2].close()  # machine 1's local rank 0: its key is written no more
