@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.runtime.votes import vote_all
 from trainmover.runtime import checkpoint
@@ -26,11 +25,12 @@ from trainmover.runtime.sandbox import (
 )
 from trainmover.runtime.state import TrainingState
 from trainmover.runtime.storeclient import Store
+from trainmover.runtime.tcpstore import serve
 
 
 @pytest.fixture
 def store_address():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = serve("127.0.0.1")
     yield f"127.0.0.1:{store.port}"
     del store
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed import TCPStore
 
 from tests.runtime.c10d_rank import ABORTED
+from trainmover.runtime.tcpstore import serve
 
 SIZE = 2
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("c10d")
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = serve("127.0.0.1")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(

@@ -11,6 +11,7 @@ from trainmover.runtime.build import BuildAbandoned, GroupBuilder, build_group
 from trainmover.runtime.data import TokenStream
 from trainmover.runtime.groups import GroupTable, StaleMemberError
 from trainmover.runtime.plan import GroupSpec, RankRef
+from trainmover.runtime.tcpstore import serve
 
 CPU = torch.device("cpu")
 A, B, C = (RankRef(machine=m, local_rank=0) for m in ("a", "b", "c"))
@@ -18,7 +19,7 @@ A, B, C = (RankRef(machine=m, local_rank=0) for m in ("a", "b", "c"))
 
 @pytest.fixture
 def store():
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return serve("127.0.0.1")
 
 
 def spec(name, generation, *members, kind="pp"):

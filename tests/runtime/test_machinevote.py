@@ -16,6 +16,7 @@ from trainmover.runtime.abort import AbortSignal, StepAborted
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.machinevote import MachineTally
 from trainmover.runtime.storeclient import Store
+from trainmover.runtime.tcpstore import serve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,7 +25,7 @@ MACHINES, LOCAL = 2, 2
 
 @pytest.fixture
 def job_store() -> Iterator[tuple[str, dist.TCPStore]]:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = serve("127.0.0.1")
     yield f"127.0.0.1:{store.port}", store
     del store
 

@@ -13,13 +13,14 @@ from trainmover.runtime.layout import Layout
 from trainmover.runtime.plan import compute_delta
 from trainmover.runtime.storeclient import Store
 from trainmover.runtime.switchvote import DROP, SWITCH, SwitchVote
+from trainmover.runtime.tcpstore import serve
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def store() -> Iterator[dist.TCPStore]:
-    yield dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield serve("127.0.0.1")
 
 
 def _vote(store: dist.TCPStore, plan_id: str = "p1") -> SwitchVote:
