@@ -80,8 +80,12 @@ async def test_a_machine_starved_of_a_cpu_is_excused_not_moved(
     logs = tmp_path / "logs"
     async with LocalCluster(CONFIG, tmp_path / "job", log_dir=logs) as cluster:
         await cluster.wait_step("m1", 10, WAIT_S)
+        # Held meanwhile: on a loaded box the standbys took longer to warm than the
+        # whole job took to train, and a finished job has no workers to throttle.
+        await cluster.hold(WAIT_S)
         await cluster.wait_standbys_warm(WAIT_S)
         pids = await cluster.worker_pids("m1", WAIT_S)
+        await cluster.release(WAIT_S)
         async with failures_of(cluster) as failures:
             with _throttled(pids):
                 async with asyncio.timeout(120):
