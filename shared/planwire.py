@@ -1,10 +1,10 @@
 """How a plan travels in a command: `args.plan_zlib`, its JSON compressed, in base64.
 
 A plan has a member per replica in each data-parallel group of its delta, so it grows
-with the job (82 kB at 2,048 machines), and the executor sends it to every machine of
+with the job (76-82 kB of JSON at 2,048 machines, by the machines' names), and the executor sends it to every machine of
 the delta in each round of a migration, to every machine of the job in a recovery: as
 JSON text in every command, it was most of the bus's bytes and of the executor's CPU
-(the same 82 kB escaped into each command). Its members repeat, so compressed it is
+(the same text escaped into each command). Its members repeat, so compressed it is
 about a twelfth of that. The receiver decodes each plan once: the commands of one
 migration carry the same text.
 """

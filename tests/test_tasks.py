@@ -89,11 +89,17 @@ async def test_a_task_failing_as_it_stops_does_not_fail_the_stop() -> None:
 
 
 async def test_gather_all_gives_every_result_in_order() -> None:
-    async def after(delay: float, value: int) -> int:
-        await asyncio.sleep(delay)
-        return value
+    gates = [asyncio.Event() for _ in range(3)]
 
-    assert await gather_all([after(0.02, 1), after(0.0, 2), after(0.01, 3)]) == [1, 2, 3]
+    async def after(i: int) -> int:
+        await gates[i].wait()
+        if i > 0:
+            gates[i - 1].set()  # they end last to first
+        return i + 1
+
+    results = asyncio.ensure_future(gather_all([after(0), after(1), after(2)]))
+    gates[2].set()
+    assert await results == [1, 2, 3]
 
 
 async def test_the_first_failure_ends_the_others_before_it_is_raised() -> None:
