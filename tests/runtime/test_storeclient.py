@@ -224,7 +224,10 @@ def test_a_vote_is_never_cast_twice_into_one_incarnation() -> None:
         first = voter.share.incarnation
         _move_away(voter, first)
         _move_away(voter, voter.share.incarnation)
-        assert voter.share.incarnation == first == r.hosts[0].incarnation
+        # Where it voted first is either replica: a look at the first one may wait out
+        # the resolver, and the client then starts at the other.
+        assert first in {h.incarnation for h in r.hosts.values()}
+        assert voter.share.incarnation == first
         assert voter.count("s/votes") == 1  # back where it voted first: not again
         _move_away(voter, first)
         assert voter.count("s/votes") == 1  # and its re-cast into the other was once
