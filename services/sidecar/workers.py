@@ -101,10 +101,13 @@ class MachineWorkers:
         self.cell: MachineRole | None = None
         self._as_standby = False
         self._lock = threading.Lock()
+        #: Notified when a launch's local rank 0 names its machine's vote store.
+        self._named = threading.Condition(self._lock)
         self.tracker.listeners.append(self._on_event)
-        #: This launch of the machine's workers: its ranks find their machine's vote
-        #: store under it (`trainmover.runtime.machinevote`).
+        #: This launch of the machine's workers (a relaunch is another).
         self.launch_id = uuid.uuid4().hex
+        #: (launch, address) of the vote store the launch's local rank 0 named in its hello.
+        self._machine_store: tuple[str, str] | None = None
 
     @property
     def refs(self) -> list[RankRef]:
@@ -112,6 +115,14 @@ class MachineWorkers:
             RankRef(machine=self.machine, local_rank=i)
             for i in range(self.config.layout.ranks_per_machine)
         ]
+
+    @property
+    def machine_store(self) -> str:
+        """The vote store this launch's local rank 0 named ("" before its hello, or where
+        each rank votes in the job's store)."""
+        with self._lock:
+            named = self._machine_store
+            return named[1] if named is not None and named[0] == self.launch_id else ""
 
     def live(self) -> list[RankRef]:
         """This machine's ranks whose workers run and have not said goodbye."""
@@ -235,14 +246,38 @@ class MachineWorkers:
                 self.cell = mine.cell
         # A standby is not told the rendezvous store: its shadow iterations have no path
         # to the live job; a joiner learns it from its plan's prepare or recover.
+        launch, machine_store = self._machine_store_for(hello)
         return c.Welcome(
             job=self.config.job,
             role=role,
             groups=groups,
             limit=self._limit(),
             store=self.store_address if role is not None else "",
-            launch=self.launch_id,
+            launch=launch,
+            machine_store=machine_store,
         )
+
+    def _machine_store_for(self, hello: c.Hello) -> tuple[str, str]:
+        """The launch a rank saying `hello` belongs to, and its machine's vote store: the
+        one local rank 0 names in its own hello, which every other rank's welcome waits
+        for (they start together; a welcome without it would leave the rank no vote)."""
+        with self._named:
+            launch = self.launch_id
+            if hello.local_rank == 0:
+                self._machine_store = (launch, hello.machine_store)
+                self._named.notify_all()
+                return launch, hello.machine_store
+
+            def named() -> bool:
+                return self._machine_store is not None and self._machine_store[0] == launch
+
+            if not self._named.wait_for(named, self.timeout_s):
+                raise RuntimeError(
+                    f"local rank 0 of {self.machine} said no hello within {self.timeout_s:.0f} s:"
+                    f" no vote store for local rank {hello.local_rank} of launch {launch}"
+                )
+            assert self._machine_store is not None
+            return launch, self._machine_store[1]
 
     def _on_event(self, ref: RankRef, msg: c.Message) -> None:
         if ref.machine == self.machine and isinstance(msg, c.Switched) and msg.part == "leaver":

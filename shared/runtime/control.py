@@ -195,6 +195,9 @@ class Hello(Message):
     machine: str
     local_rank: int
     pid: int
+    #: Local rank 0 of a machine with several ranks: the address (host:port) of the vote
+    #: store it serves for them (`trainmover.runtime.machinevote`); empty otherwise.
+    machine_store: str = ""
     schema_version: int = CONTROL_SCHEMA_VERSION
 
 
@@ -207,10 +210,12 @@ class Welcome(Message):
     groups: list[GroupSpec]
     limit: int
     store: str
-    #: The launch of the machine's workers this rank belongs to: its ranks find their
-    #: machine's vote store under it (`trainmover.runtime.machinevote`); empty: every
-    #: rank votes in the job's store.
+    #: The launch of the machine's workers this rank belongs to (a relaunch is another).
     launch: str = ""
+    #: The vote store of this launch's ranks, as its local rank 0 named it in its hello
+    #: (`trainmover.runtime.machinevote`), given to a standby too: it is the machine's
+    #: own, no path to the live job. Empty: every rank votes in the job's store.
+    machine_store: str = ""
 
 
 class StepDone(Message):

@@ -12,7 +12,6 @@ groups are swapped only by the training thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,9 +56,9 @@ class Core:
     conn: c.Connection = field(init=False)
     #: The rendezvous store; a standby learns it with `prepare` or `recover`.
     store_address: str = ""
-    #: The launch of this machine's workers (`trainmover.runtime.machinevote`); empty
-    #: where each rank votes in the job's store.
-    launch: str = ""
+    #: The vote store of this machine's ranks (`trainmover.runtime.machinevote`), from
+    #: the welcome; empty where each rank votes in the job's store.
+    machine_store: str = ""
     state: TrainingState | None = None
     #: Set once the user's code has built its role and tracked its state (`track`): a
     #: joiner is ready for its switch only then, so that building the model (seconds
@@ -70,8 +69,6 @@ class Core:
     #: The step whose state this rank took from a DP replica (a failure's joiner): its
     #: parameters are the role's, its per-replica RNGs are the replica's.
     replica_state_at: int | None = None
-    #: Called (on the thread that took it) once this rank has a role and knows the store.
-    on_role: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def timeout_s(self) -> float:
@@ -87,8 +84,6 @@ class Core:
         self.accepted.role = role
         self.torch.take_role(role, self.store_address)
         self.log = self.log.bind(role=role.key, rank=self.config.layout.global_rank(role))
-        for callback in self.on_role:
-            callback()
 
     def store(self) -> Store:
         """A client of the job's rendezvous store of its own (a thread must not share

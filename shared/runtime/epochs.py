@@ -22,7 +22,7 @@ from trainmover.runtime.abort import CollectiveError, StepAborted
 from trainmover.runtime.agreement import CommitAgreement
 from trainmover.runtime.core import Core
 from trainmover.runtime.layout import Role
-from trainmover.runtime.machinevote import MachineTally
+from trainmover.runtime.machinevote import MachineStore, MachineTally
 from trainmover.runtime.progress import Progress, ProgressBoard, StallWatch
 from trainmover.runtime.steptime import WAITS
 from trainmover.runtime.world import LazyWorld
@@ -41,11 +41,40 @@ class VoteEpochs:
         self.voted = self.discarded = self.committed_in_flight = False
         self.block_in = ""  # fault injection only (control `block`)
         core.signal.on_failure = self._on_collective_failure
-        #: Sets up the machine's share of the vote as soon as the rank has a role (a
-        #: joiner: at its plan's prepare or recover), so that the connections it opens
-        #: are not on the path of the switch (`trainmover.runtime.tcpstore`).
+        #: The machine's vote store, served by local rank 0 from its start (`serve_machine`).
+        self._server: MachineStore | None = None
+        #: Sets up the machine's share of the vote from the welcome on (a standby's while
+        #: it waits), so that the connections it opens are never on a switch's path.
         self._machine_ahead: threading.Thread | None = None
-        core.on_role.append(self._set_up_ahead)
+
+    def serve_machine(self) -> str:
+        """Local rank 0 of a machine with several voting ranks: serves their vote store,
+        before its hello names it (`trainmover.runtime.machinevote`); its address, or ""."""
+        core = self.core
+        if (
+            core.me.local_rank != 0
+            or core.config.layout.ranks_per_machine == 1
+            or not core.config.runtime.commit_agreement
+        ):
+            return ""
+        self._server = MachineStore()
+        return self._server.address
+
+    def set_up_machine(self) -> None:
+        """Starts setting up this rank's share of its machine's vote store, as named in
+        its welcome (`core.machine_store`), in the background; `new_epoch` waits for it."""
+        core = self.core
+        if not core.machine_store or not core.config.runtime.commit_agreement:
+            return
+
+        def set_up() -> None:
+            try:
+                self.machine = self._machine_tally()
+            except RuntimeError as err:  # `new_epoch` tries again, on its own path
+                core.log.warning("machine_tally_ahead_failed", error=str(err))
+
+        self._machine_ahead = threading.Thread(target=set_up, name="tally-ahead", daemon=True)
+        self._machine_ahead.start()
 
     def new_world(self, role: Role) -> LazyWorld:
         """The world group of a TP/PP layout (`trainmover.runtime.world`); its slot is the
@@ -109,37 +138,18 @@ class VoteEpochs:
         assert self.stalls is not None
         self.stalls.board.progress = Progress(epoch=epoch, step=committed, voted=committed)
 
-    def _set_up_ahead(self) -> None:
-        core = self.core
-        if (
-            self._machine_ahead is not None
-            or not core.config.runtime.commit_agreement
-            or not core.store_address
-        ):
-            return
-
-        def set_up() -> None:
-            try:
-                self.machine = self._machine_tally()
-            except RuntimeError as err:  # `new_epoch` tries again, on its own path
-                core.log.warning("machine_tally_ahead_failed", error=str(err))
-
-        self._machine_ahead = threading.Thread(target=set_up, name="tally-ahead", daemon=True)
-        self._machine_ahead.start()
-
     def _machine_tally(self) -> MachineTally | None:
-        """The machine's share of the vote, where it has several ranks (and a launch
-        that names their store)."""
+        """This rank's share of its machine's vote store, where its welcome named one
+        (a machine with several ranks)."""
         core = self.core
-        local_world = core.config.layout.ranks_per_machine
-        if not core.launch or local_world == 1:
+        if not core.machine_store:
             return None
-        return MachineTally.join(
-            core.store(),
-            f"{core.config.job}/machine-store/{core.me.machine}/{core.launch}",
+        return MachineTally(
+            core.machine_store,
             core.me.local_rank,
-            local_world,
+            core.config.layout.ranks_per_machine,
             core.config.runtime.failure_timeout_s,
+            server=self._server,
         )
 
     def _watch_stalls(self) -> StallWatch:

@@ -10,10 +10,12 @@ watches in the job's store into the machine's store, where the other ranks watch
 The job's store then sees one vote and one watcher per machine, whatever the ranks per
 machine. (torchft's managers do the same for their replica groups.)
 
-The ranks of one launch of a machine's workers (the sidecar names it in their welcome)
-find their store's address in the job's store under that launch. Nothing here outlives
-them: the machine's ranks leave, fail and are replaced together, and a relaunch is a new
-launch with a store of its own.
+Local rank 0 serves the store as its process starts and names it in its hello; the
+sidecar's welcome gives that address to every rank of the launch, a standby's too, so
+each rank sets up its share while it waits for a role, and a failure's joiner opens no
+connection to its machine's store on the way to its first step. Nothing here outlives
+the launch: the machine's ranks leave, fail and are replaced together, and a relaunch is
+a new launch with a store of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from trainmover.runtime.storeclient import ABSENT, Store
+from trainmover.runtime.storeclient import ABSENT
 from trainmover.runtime.tcpstore import connect, serve
 
 HOST = "127.0.0.1"
@@ -48,7 +50,14 @@ class MachineTally:
     """One rank's use of its machine's store for the vote: `arrive` on the voting
     thread; `relay` (local rank 0) or `wait` (the others) on the watcher thread."""
 
-    def __init__(self, address: str, local_rank: int, local_world: int, timeout_s: float):
+    def __init__(
+        self,
+        address: str,
+        local_rank: int,
+        local_world: int,
+        timeout_s: float,
+        server: MachineStore | None = None,
+    ):
         #: The machine's store (where the progress board folds its ranks' entries too).
         self.address = address
         self.local_world = local_world
@@ -58,30 +67,7 @@ class MachineTally:
         self._voting = client_of(address, timeout_s)
         self._watching = client_of(address, timeout_s)
         #: The store itself, on local rank 0 (kept alive with this tally).
-        self.server: MachineStore | None = None
-
-    @classmethod
-    def join(
-        cls,
-        job_store: Store,
-        key: str,
-        local_rank: int,
-        local_world: int,
-        timeout_s: float,
-    ) -> MachineTally:
-        """Local rank 0 hosts the machine's store and names it under `key` in the job's
-        store (one key per launch); the other ranks wait for that name."""
-        server = None
-        if local_rank == 0:
-            server = MachineStore()
-            job_store.set(key, server.address)
-            address = server.address
-        else:
-            job_store.wait([key], timedelta(seconds=timeout_s))
-            address = job_store.get(key).decode()
-        tally = cls(address, local_rank, local_world, timeout_s)
-        tally.server = server
-        return tally
+        self.server = server
 
     def arrive(self, step_key: str) -> bool:
         """This rank reached the vote of the step `step_key` names; True for the last of

@@ -127,19 +127,33 @@ class Runtime:
         self._conn = self._core.conn = c.Connection(
             c.connect(control_address), on_request=self._on_request, on_close=self._on_close
         ).start()
-        welcome = self._conn.request(
-            c.Hello(machine=machine, local_rank=local_rank, pid=os.getpid()), self._timeout_s
+        hello = c.Hello(
+            machine=machine,
+            local_rank=local_rank,
+            pid=os.getpid(),
+            machine_store=self._votes.serve_machine(),
         )
+        welcome = self._conn.request(hello, self._timeout_s)
         assert isinstance(welcome, c.Welcome)
         with self._cond:
-            self._core.store_address, self._core.launch = welcome.store, welcome.launch
+            self._core.store_address, self._core.machine_store = (
+                welcome.store,
+                welcome.machine_store,
+            )
+            self._votes.set_up_machine()
             self._core.accepted.limit = welcome.limit
             self._standby = welcome.role is None  # its state will come from a peer
             if welcome.role is not None:
                 self._core.take_role(welcome.role)
                 # Generation-0 groups build in the background while the user builds it.
                 self._initial = self._core.builder(welcome.groups, "initial-groups")
-        self.log.info("welcome", role=welcome.role and welcome.role.key, limit=welcome.limit)
+        self.log.info(
+            "welcome",
+            role=welcome.role and welcome.role.key,
+            limit=welcome.limit,
+            launch=welcome.launch,
+            machine_store=welcome.machine_store,
+        )
 
     @classmethod
     def from_env(cls) -> Runtime:

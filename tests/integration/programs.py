@@ -37,13 +37,10 @@ def binary(name: str) -> str:
     return found
 
 
-def listening_ports(pid: int) -> set[int]:
-    """TCP ports `pid` listens on, from /proc: its socket inodes in the LISTEN state.
-
-    Prometheus and Alertmanager accept `--web.listen-address=127.0.0.1:0` but have no
-    port file; reading the bound port back avoids picking a "free" port that another
-    test run could take first.
-    """
+def tcp_sockets(pid: int) -> list[tuple[str, int, int]]:
+    """(state, local port, remote port) of each TCP socket `pid` holds, from /proc: its
+    socket inodes found in the tables of its network namespace (state as the kernel
+    writes it: "0A" listening, "01" established)."""
     inodes = set()
     with contextlib.suppress(FileNotFoundError):
         for fd in Path(f"/proc/{pid}/fd").iterdir():
@@ -51,14 +48,25 @@ def listening_ports(pid: int) -> set[int]:
                 link = os.readlink(fd)
                 if link.startswith("socket:["):
                     inodes.add(int(link[8:-1]))
-    found = set()
+    found = []
     for table in ("tcp", "tcp6"):
         with contextlib.suppress(FileNotFoundError):
             for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
                 fields = line.split()
-                if fields[3] == "0A" and int(fields[9]) in inodes:  # 0A: TCP_LISTEN
-                    found.add(int(fields[1].rsplit(":", 1)[1], 16))
+                if int(fields[9]) in inodes:
+                    local, remote = (int(f.rsplit(":", 1)[1], 16) for f in fields[1:3])
+                    found.append((fields[3], local, remote))
     return found
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports `pid` listens on.
+
+    Prometheus and Alertmanager accept `--web.listen-address=127.0.0.1:0` but have no
+    port file; reading the bound port back avoids picking a "free" port that another
+    test run could take first.
+    """
+    return {local for state, local, _ in tcp_sockets(pid) if state == "0A"}
 
 
 class Program:

@@ -14,8 +14,7 @@ import torch.distributed as dist
 from tests.runtime.votes import vote_all
 from trainmover.runtime.abort import AbortSignal, StepAborted
 from trainmover.runtime.agreement import CommitAgreement
-from trainmover.runtime.machinevote import MachineTally
-from trainmover.runtime.storeclient import Store
+from trainmover.runtime.machinevote import MachineStore, MachineTally
 from trainmover.runtime.tcpstore import serve
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,12 +31,14 @@ def job_store() -> Iterator[tuple[str, dist.TCPStore]]:
 
 def _job(address: str) -> tuple[list[MachineTally], list[CommitAgreement]]:
     """Ranks in machine order: machine m's local rank r is ranks[m * LOCAL + r]; each
-    local rank 0 comes first and hosts its machine's store."""
-    tallies = [
-        MachineTally.join(Store(address, 30), f"job/machine-store/m{m}/launch1", r, LOCAL, 30)
-        for m in range(MACHINES)
-        for r in range(LOCAL)
-    ]
+    local rank 0 hosts its machine's store, which the others are given."""
+    tallies = []
+    for _ in range(MACHINES):
+        server = MachineStore()
+        tallies += [
+            MachineTally(server.address, r, LOCAL, 30, server=server if r == 0 else None)
+            for r in range(LOCAL)
+        ]
     ranks = [
         CommitAgreement(
             address, "job", MACHINES * LOCAL, AbortSignal("e0"), 0, timeout_s=30, machine=tally
@@ -52,10 +53,6 @@ def test_the_job_store_counts_one_vote_per_machine(job_store) -> None:
     tallies, ranks = _job(address)
     assert all(r.voters == MACHINES for r in ranks)
     machines = [t.server for t in tallies if t.server is not None]
-    # Each machine's local rank 0 hosts its store and names it in the job's store.
-    assert [store.get(f"job/machine-store/m{i}/launch1").decode() for i in range(MACHINES)] == [
-        m.address for m in machines
-    ]
     assert vote_all(ranks, 1) == ["commit"] * 4
     assert store.add("job/commit/e0/1/votes", 0) == MACHINES
     # Many steps: each machine's store keeps only the last steps' keys.
