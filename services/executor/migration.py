@@ -147,6 +147,9 @@ class Migration:
         #: The end decided (terminal progress state and detail) and maybe not yet
         #: published: a `run` again after a write that failed publishes it again.
         self._end: tuple[MigrationState, str] | None = None
+        #: The step each affected machine had reached when its prepare was answered (its
+        #: ranks ready), by this run's own prepare round; None after a restart.
+        self._prepared_at: list[int] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -215,13 +218,21 @@ class Migration:
             await self._progress("phase1", "building the delta groups in the background")
             results = await self._all("prepare", self.affected())
             self.record.results["prepare"] = results
+            if all("step" in r for r in results.values()):
+                self._prepared_at = [int(r["step"]) for r in results.values()]
             self._phase("prepare", t0)
             await self._enter("committing")
         elif phase == "committing":
             k = self.record.commit_step
             if k is None:
-                statuses = await self._all("status", self.affected(), plan=False)
-                k = await self._pick_switch_step(int(r["step"]) for r in statuses.values())
+                # The steps the prepare round was answered at are fresh enough: the last
+                # answer ended it, and a k the ranks passed meanwhile is refused and picked
+                # again. A run resumed after a restart asks where the ranks are now.
+                passed = self._prepared_at
+                if passed is None:
+                    statuses = await self._all("status", self.affected(), plan=False)
+                    passed = [int(r["step"]) for r in statuses.values()]
+                k = await self._pick_switch_step(passed)
             while True:
                 outcome = judge_commit(await self._commit_round(k), self.plan.joiners())
                 if outcome.verdict == "accepted":

@@ -346,7 +346,12 @@ class MachineWorkers:
             "ranks": len(refs),
             "build_s": max((ready[r].build_s for r in refs), default=0.0),
             "steps_during_build": min((ready[r].steps_during_build for r in refs), default=0),
-            "step": max((a.step for a in acks.values() if isinstance(a, c.PrepareAck)), default=0),
+            # Where the ranks are now, ready (the executor picks its switch step from it).
+            "step": max(
+                self.current_step(),
+                *(a.step for a in acks.values() if isinstance(a, c.PrepareAck)),
+                0,
+            ),
         }
 
     def current_step(self) -> int:

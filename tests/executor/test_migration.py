@@ -78,6 +78,8 @@ class Sidecars:
         op, machine, args = command.op, command.machine, command.args
         if op == "status":
             return {"step": self.passed}
+        if op == "prepare":  # answered once ready, with the step the machine reached
+            return {"ranks": 2, "step": self.passed}
         if op == "commit":
             if machine not in self.joiners and int(args["step"]) <= self.passed:
                 return {"accepted": 0, "refused": {f"{machine}/0": TOO_LATE}, "passed": self.passed}
@@ -168,8 +170,10 @@ def test_planned_migration_runs_every_state_in_order() -> None:
     assert sorted(h.sidecars.machines("prepare")) == affected
     assert h.sidecars.machines("release") == ["m0"]
     ops = [op for op, _ in h.sidecars.ops()]
-    first = {op: ops.index(op) for op in ("prepare", "status", "commit", "transfer", "release")}
+    first = {op: ops.index(op) for op in ("prepare", "commit", "transfer", "release")}
     assert list(first) == sorted(first, key=first.__getitem__)
+    # The switch step comes from the prepare replies: no round asks the steps again.
+    assert "status" not in ops
 
 
 def test_switch_step_is_picked_past_the_furthest_rank_and_reaches_joiners_first() -> None:
@@ -209,6 +213,17 @@ def test_command_ids_are_derived_from_plan_op_machine_and_step() -> None:
     again = harness(plan)
     again.run(MigrationRecord(plan=plan))
     assert [c.command_id for c in again.sidecars.sent] == [c.command_id for c in h.sidecars.sent]
+
+
+def test_an_executor_restarted_before_its_switch_step_asks_where_the_ranks_are() -> None:
+    plan = drain_plan()
+    h = harness(plan, passed=30)  # the ranks trained on while no executor ran
+    final = h.run(MigrationRecord(plan=plan, phase="committing"))
+    ops = [op for op, _ in h.sidecars.ops()]
+    assert "prepare" not in ops
+    assert sorted(h.sidecars.machines("status")) == sorted(plan.affected_machines())
+    assert ops.index("status") < ops.index("commit")
+    assert final.commit_step == 32 and final.phase == "done"
 
 
 def test_a_restarted_executor_resends_the_recorded_switch_step() -> None:
