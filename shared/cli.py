@@ -95,7 +95,7 @@ async def _status(args: argparse.Namespace) -> int:
         return 0
     from trainmover import statusview  # rich only for the table
 
-    statusview.render(state, migrations)
+    statusview.render(state, migrations, every=args.all)
     return 0
 
 
@@ -275,6 +275,11 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="machines, roles, standbys, migrations of a job")
     s.add_argument("job", type=_name("job"))
     s.add_argument("--json", action="store_true")
+    s.add_argument(
+        "--all",
+        action="store_true",
+        help="list each machine of a job too large to list by default (they are counted)",
+    )
 
     w = sub.add_parser("watch", help="follow a job's events and migration progress")
     w.add_argument("job", type=_name("job"))

@@ -2,9 +2,12 @@
 
 Four tables from the planner's cluster state and the migrations the bus still holds:
 machines serving a role, standbys with the role types they have warmed, migrations in
-flight with their current phase, and the last migrations with their downtime. Without a
-terminal (a pipe, a log) rich writes plain text with no colour codes, wide enough that
-no cell is cut.
+flight with their current phase, and the last migrations with their downtime. A job of
+more than `LISTED` machines (thousands, for the users this is for) gets a summary
+instead of a row per machine: one row per status and role type with its count, and the
+machines that are not simply serving (leaving, failed, joining) listed by name; `every`
+lists them all. Without a terminal (a pipe, a log) rich writes plain text with no colour
+codes, wide enough that no cell is cut.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from trainmover.messages import TERMINAL_STATES, ClusterState, MachineState, Mig
 LAST_MIGRATIONS = 10
 #: Width when the output is not a terminal: room for every column, nothing wrapped.
 PIPE_WIDTH = 160
+#: Machines (serving, or standbys) listed one a row; past it, a table counts them.
+LISTED = 64
 
 
 def _table(title: str, *columns: str) -> Table:
@@ -39,22 +44,59 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f} s"
 
 
-def machines_table(state: ClusterState) -> Table:
-    table = _table("machines", "machine", "status", "role (dp, pp)", "role type")
-    for name, m in sorted(state.machines.items()):
-        if _is_standby(m):
-            continue
-        role = f"dp{m.cell.dp} pp{m.cell.pp}" if m.cell else "-"
-        kind = state.layout.role_type(m.cell.pp) if m.cell else "-"
-        table.add_row(name, m.status, role, kind)
+def _counted(title: str, what: str, rows: list[tuple[str, str]]) -> Table:
+    """One row per distinct (status, `what`) with its count: a table of thousands of
+    machines that a person can read."""
+    table = _table(title, "machines", "status", what)
+    counts: dict[tuple[str, str], int] = {}
+    for row in rows:
+        counts[row] = counts.get(row, 0) + 1
+    for (status, value), n in sorted(counts.items()):
+        table.add_row(str(n), status, value)
     return table
 
 
-def standbys_table(state: ClusterState) -> Table:
-    table = _table("standbys", "machine", "status", "warm role types")
+def _serving(state: ClusterState) -> list[tuple[str, MachineState]]:
+    return [(n, m) for n, m in sorted(state.machines.items()) if not _is_standby(m)]
+
+
+def machines_table(state: ClusterState, every: bool = False) -> Table:
+    serving = _serving(state)
+
+    def kind(m: MachineState) -> str:
+        return state.layout.role_type(m.cell.pp) if m.cell else "-"
+
+    if not every and len(serving) > LISTED:
+        return _counted("machines", "role type", [(m.status, kind(m)) for _, m in serving])
+    table = _table("machines", "machine", "status", "role (dp, pp)", "role type")
+    for name, m in serving:
+        role = f"dp{m.cell.dp} pp{m.cell.pp}" if m.cell else "-"
+        table.add_row(name, m.status, role, kind(m))
+    return table
+
+
+def unsettled_table(state: ClusterState) -> Table:
+    """The machines serving that are not simply active, by name (the summary's rows
+    count them): what a person looking at a large job wants named."""
+    table = _table("not active", "machine", "status", "role (dp, pp)")
     for name, m in sorted(state.machines.items()):
-        if _is_standby(m):
-            table.add_row(name, m.status, ", ".join(m.warm_role_types) or "cold")
+        if not _is_standby(m) and m.status != "active":
+            role = f"dp{m.cell.dp} pp{m.cell.pp}" if m.cell else "-"
+            table.add_row(name, m.status, role)
+    return table
+
+
+def standbys_table(state: ClusterState, every: bool = False) -> Table:
+    standbys = [(n, m) for n, m in sorted(state.machines.items()) if _is_standby(m)]
+
+    def warm(m: MachineState) -> str:
+        return ", ".join(m.warm_role_types) or "cold"
+
+    if not every and len(standbys) > LISTED:
+        return _counted("standbys", "warm role types", [(m.status, warm(m)) for _, m in standbys])
+    table = _table("standbys", "machine", "status", "warm role types")
+    for name, m in standbys:
+        table.add_row(name, m.status, warm(m))
     return table
 
 
@@ -94,9 +136,13 @@ def last_migrations_table(migrations: list[MigrationProgress]) -> Table:
 
 
 def render(
-    state: ClusterState, migrations: list[MigrationProgress], file: IO[str] | None = None
+    state: ClusterState,
+    migrations: list[MigrationProgress],
+    file: IO[str] | None = None,
+    every: bool = False,
 ) -> None:
-    """Writes the status of a job (to stdout by default)."""
+    """Writes the status of a job (to stdout by default); `every` lists each machine of
+    a large job too."""
     console = Console(file=file, highlight=False)
     if not console.is_terminal:
         console = Console(file=file, highlight=False, width=PIPE_WIDTH, color_system=None)
@@ -105,13 +151,19 @@ def render(
         f"job {state.job}  layout TP{lay.tp} x PP{lay.pp} x DP{lay.dp}  "
         f"({lay.ranks_per_machine} ranks/machine)  revision {state.revision}"
     )
-    for table in (
-        machines_table(state),
-        standbys_table(state),
+    counted = not every and len(_serving(state)) > LISTED
+    tables = [machines_table(state, every)]
+    if counted:  # the machines that need a look, by name
+        tables.append(unsettled_table(state))
+    tables += [
+        standbys_table(state, every),
         in_flight_table(state, migrations),
         last_migrations_table(migrations),
-    ):
+    ]
+    for table in tables:
         if table.row_count:
             console.print(table)
         else:
             console.print(f"{table.title}: none")
+    if counted:
+        console.print(f"{len(state.machines)} machines counted, not listed: --all lists each")

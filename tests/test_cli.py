@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import register_job
+from tests.conftest import register_job, sample_state
 from trainmover import bus
 from trainmover.messages import MigrationProgress
 from trainmover.subjects import JobSubjects
@@ -158,6 +158,38 @@ async def test_status_lists_migrations_with_their_phase_and_downtime(nc, job, na
     ]
     as_json = json.loads(run_cli("status", job, "--json", url=nats_url).stdout)
     assert [m["state"] for m in as_json["migrations"]] == ["done", "recovering"]
+
+
+async def test_status_of_a_large_job_counts_its_machines_and_names_those_not_active(
+    nc, job, nats_url
+):
+    state = sample_state(job, machines=200, standbys=70)
+    changes = {
+        "m5": {"status": "leaving"},
+        "m7": {"status": "failed"},
+        "s3": {"warm_role_types": []},
+    }
+    machines = {n: m.model_copy(update=changes.get(n, {})) for n, m in state.machines.items()}
+    state = state.model_copy(update={"machines": machines})
+    await register_job(nc, job, state)
+    shown = run_cli("status", job, url=nats_url)
+    assert shown.returncode == 0, shown.stderr
+    tables = status_tables(shown.stdout)
+    assert tables["machines"][0] == ["machines", "status", "role type"]
+    assert sorted(tables["machines"][1:]) == sorted(
+        [["100", "active", "first"], ["98", "active", "last"], ["1", "failed", "last"],
+         ["1", "leaving", "last"]]
+    )  # fmt: skip
+    assert tables["not active"][1:] == [["m5", "leaving", "dp2 pp1"], ["m7", "failed", "dp3 pp1"]]
+    assert sorted(tables["standbys"][1:]) == [
+        ["1", "standby", "cold"],
+        ["69", "standby", "first, last"],
+    ]
+    assert "270 machines counted, not listed: --all lists each" in shown.stdout
+    listed = status_tables(run_cli("status", job, "--all", url=nats_url).stdout)
+    assert len(listed["machines"]) == 1 + 200 and len(listed["standbys"]) == 1 + 70
+    assert ["m5", "leaving", "dp2 pp1", "last"] in listed["machines"]
+    assert "not active" not in listed
 
 
 def test_up_starts_the_bus_and_stops_on_ctrl_c(tmp_path):
