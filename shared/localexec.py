@@ -34,9 +34,13 @@ class InMemoryExecutor:
         #: Called once, before the first `transfer` of the running plan: every commit
         #: was taken by then (the harness lifts a hold at the switch step here).
         self.on_committed: Callable[[], None] | None = None
-        #: Called with k before each commit(k) goes out (the harness lets its held job
-        #: reach a switch step the Migration picked past its hold).
+        #: Called with k once every affected machine of the running plan took commit(k):
+        #: the harness lets its held job reach a switch step the Migration picked past
+        #: its hold. Lifted before, a rank could train past k before its own commit came.
         self.on_commit: Callable[[int], None] | None = None
+        #: The affected machines of the running plan, and those that took each commit(k).
+        self._affected: set[str] = set()
+        self._took: dict[int, set[str]] = {}
 
     def run(
         self, plan: Plan, commit_step: int | None, margin: int, timeout_s: float
@@ -45,6 +49,7 @@ class InMemoryExecutor:
         `commit_step` is given); returns the final record and when each state began.
         MigrationFailed when it did not end done."""
         stamps: dict[str, float] = {}
+        self._affected, self._took = set(plan.affected_machines()), {}
 
         async def publish(progress: MigrationProgress) -> None:
             stamps.setdefault(progress.state, progress.ts)
@@ -78,17 +83,23 @@ class InMemoryExecutor:
             elif command.op == "abort":
                 result = {"relaunched": False}
             else:
-                if command.op == "commit" and self.on_commit is not None:
-                    await asyncio.to_thread(self.on_commit, int(command.args["step"]))
                 if command.op == "transfer" and self.on_committed is not None:
                     hook, self.on_committed = self.on_committed, None
                     await asyncio.to_thread(hook)
                 result = await asyncio.to_thread(workers.handle, command, timeout)
+                if command.op == "commit" and not result.get("refused"):
+                    await self._took_commit(command.machine, int(command.args["step"]))
         except Exception as err:
             return CommandReply(
                 command_id=command.command_id, ok=False, error=f"{type(err).__name__}: {err}"
             )
         return CommandReply(command_id=command.command_id, ok=True, result=result)
+
+    async def _took_commit(self, machine: str, step: int) -> None:
+        took = self._took.setdefault(step, set())
+        took.add(machine)
+        if took >= self._affected and self.on_commit is not None:
+            await asyncio.to_thread(self.on_commit, step)
 
 
 async def _no_save(record: MigrationRecord) -> None:

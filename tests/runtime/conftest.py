@@ -81,6 +81,10 @@ FAULTS = [
     ("m2", 24, "after-allreduce"),
 ]
 CHECKPOINT_FAULT = ("m1", 11, "backward")
+#: The step a job with faults is held at until every worker, standbys included, said
+#: hello: on a loaded host a standby can take longer to start than the job takes to
+#: reach its first fault, and the harness's start-up then sees a worker die.
+HELD_AT = 1
 CHECKPOINT_EVERY = 4
 
 
@@ -196,9 +200,15 @@ def failure_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     run_dir = tmp_path_factory.mktemp("failures")
     config = CONFIG.with_updates(train={"steps": MIGRATED_STEPS})
     with LocalJob.launch(
-        config, run_dir, standbys=len(FAULTS), timeout_s=WAIT_S, extra_env=_fault_env(FAULTS)
+        config,
+        run_dir,
+        standbys=len(FAULTS),
+        timeout_s=WAIT_S,
+        extra_env=_fault_env(FAULTS),
+        limit=HELD_AT,
     ) as job:
         run = Run(run_dir, {})
+        job.set_limit(config.train.steps)  # every worker said hello: the faults may come
         _recover_all(job, run, len(FAULTS))
         return run
 
@@ -213,8 +223,14 @@ def checkpoint_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         runtime={"checkpoint_every": CHECKPOINT_EVERY},
     )
     with LocalJob.launch(
-        config, run_dir, standbys=1, timeout_s=WAIT_S, extra_env=_fault_env([CHECKPOINT_FAULT])
+        config,
+        run_dir,
+        standbys=1,
+        timeout_s=WAIT_S,
+        extra_env=_fault_env([CHECKPOINT_FAULT]),
+        limit=HELD_AT,
     ) as job:
         run = Run(run_dir, {})
+        job.set_limit(config.train.steps)  # every worker said hello: the fault may come
         _recover_all(job, run, 1)
         return run
