@@ -24,6 +24,7 @@ from pathlib import Path
 from trainmover.messages import ClusterState, Command, Plan, WorkerState, WorkerStatus
 from trainmover.planwire import plan_of
 from trainmover.runtime import control as c
+from trainmover.runtime import controlconn
 from trainmover.runtime.config import JobConfig, save_config
 from trainmover.runtime.launcher import ControlServer, WorkerProcess, WorkerStarter
 from trainmover.runtime.layout import MachineRole, Role
@@ -448,7 +449,7 @@ class MachineWorkers:
         for ref in refs:
             try:
                 self.control.request(ref, c.Advance(limit=step, last=last), self.timeout_s)
-            except c.RemoteError as err:
+            except controlconn.RemoteError as err:
                 past[str(ref)] = str(err)
         if past:
             raise ValueError(f"hold at step {step}: ranks already past it: {past}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from trainmover.runtime import control as c
+from trainmover.runtime import controlconn
 from trainmover.runtime.abort import AbortSignal
 from trainmover.runtime.acceptance import Acceptance
 from trainmover.runtime.build import GroupBuilder
@@ -53,7 +53,7 @@ class Core:
     checkpoint_root: Path
     cond: threading.Condition = field(default_factory=threading.Condition)
     #: Set once the control connection is open (it calls back into the runtime).
-    conn: c.Connection = field(init=False)
+    conn: controlconn.Connection = field(init=False)
     #: The rendezvous store; a standby learns it with `prepare` or `recover`.
     store_address: str = ""
     #: The vote store of this machine's ranks (`trainmover.runtime.machinevote`), from

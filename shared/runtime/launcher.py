@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainmover.runtime import control as c
+from trainmover.runtime import controlconn
 from trainmover.runtime.env import ENV_CONFIG, ENV_CONTROL, ENV_LOCAL_RANK, ENV_MACHINE, ENV_RUN_DIR
 from trainmover.runtime.forkserver import ForkedWorker, ForkServer
 from trainmover.runtime.forkserver import enabled as forkserver_enabled
@@ -48,7 +49,7 @@ class ControlServer:
         self._on_disconnect = on_disconnect
         self._listener = socket.create_server((host, 0))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
-        self._conns: dict[RankRef, c.Connection] = {}
+        self._conns: dict[RankRef, controlconn.Connection] = {}
         self._lock = threading.Lock()
         self._closing = False
         threading.Thread(target=self._accept_loop, name="control-accept", daemon=True).start()
@@ -62,7 +63,7 @@ class ControlServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _WorkerLink(self, sock)
 
-    def _register(self, ref: RankRef, conn: c.Connection) -> None:
+    def _register(self, ref: RankRef, conn: controlconn.Connection) -> None:
         with self._lock:
             self._conns[ref] = conn
 
@@ -89,7 +90,7 @@ class _WorkerLink:
     def __init__(self, server: ControlServer, sock: socket.socket):
         self.server = server
         self.ref: RankRef | None = None
-        self.conn = c.Connection(
+        self.conn = controlconn.Connection(
             sock, on_request=self._on_request, on_event=self._on_event, on_close=self._on_close
         )
         self.conn.start(name="control-conn")

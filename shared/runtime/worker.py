@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainmover.runtime import checkpoint, dumps, fault, logs
+from trainmover.runtime import checkpoint, controlconn, dumps, fault, logs
 from trainmover.runtime import control as c
 from trainmover.runtime.abort import AbortSignal, StepAborted
 from trainmover.runtime.acceptance import Acceptance
@@ -62,7 +62,7 @@ from trainmover.runtime.plan import RankRef
 from trainmover.runtime.planned import PlannedSwitch
 from trainmover.runtime.records import open_record_store
 from trainmover.runtime.recovery import FailureRecovery
-from trainmover.runtime.sandbox import Recorder
+from trainmover.runtime.sandbox import LiveRecording
 from trainmover.runtime.shadow import ShadowFn, warm_up
 from trainmover.runtime.standard import StandardTorch
 from trainmover.runtime.state import Stateful, TrainingState
@@ -88,7 +88,6 @@ class Runtime:
         self._extra_s = 0.0  # fault injection only (control `slow`)
         self._warm_queue: list[c.Warm] = []
         self._warm_rounds = 0
-        self._recorder: Recorder | None = None
         #: The abort signal every wait on a collective checks, scoped by vote epoch.
         self.signal = AbortSignal("e0", config.runtime.failure_timeout_s)
         self.records = open_record_store(config, run_dir, f"worker.{machine}.{local_rank}")
@@ -124,8 +123,10 @@ class Runtime:
         self._planned = PlannedSwitch(self._core, self._votes.new_epoch, self._votes.leave)
         self._recovery = FailureRecovery(self._core, self._votes.new_epoch, self._votes.abort)
         self.torch.new_world = self._votes.new_world
-        self._conn = self._core.conn = c.Connection(
-            c.connect(control_address), on_request=self._on_request, on_close=self._on_close
+        self._conn = self._core.conn = controlconn.Connection(
+            controlconn.connect(control_address),
+            on_request=self._on_request,
+            on_close=self._on_close,
         ).start()
         hello = c.Hello(
             machine=machine,
@@ -283,6 +284,7 @@ class Runtime:
             raise RuntimeError("call track() before steps()")
         self._install_initial()
         accepted, votes = self._core.accepted, self._votes
+        recording = LiveRecording(self.config.layout, self.config.runtime.record_step, self.records)
         joiner = accepted.planned is not None and accepted.planned.part == "joiner"
         if joiner and self._planned.join():  # False: a recovery took the migration's place
             pass
@@ -294,7 +296,7 @@ class Runtime:
             step = state.step + 1
             light = state.light()
             votes.begin(step)
-            self._begin_recording(step)
+            recording.begin(step, self.role, self.groups)
             timer = StepTimer()
             yield step
             if self._extra_s:
@@ -306,7 +308,7 @@ class Runtime:
                 state.restore_light(light)  # re-executed later with the same data
                 self.torch.discard_step(state.model)
                 state.optimizer.zero_grad(set_to_none=True)  # a partial accumulation
-                self._end_recording(None)
+                recording.end(None, self.role, self.groups, self.log)
                 self._conn.notify(
                     c.StepAbortedEvent(
                         epoch=self.signal.epoch,
@@ -331,7 +333,7 @@ class Runtime:
                 )
             )
             self._loss = None
-            self._end_recording(step)
+            recording.end(step, self.role, self.groups, self.log)
             self._maybe_checkpoint(step)
 
     def _install_initial(self) -> None:
@@ -369,31 +371,7 @@ class Runtime:
                 self._exit_reason = "left"
                 return False
 
-    # -- per step: recording, checkpoints ----------------------------------------------
-
-    def _begin_recording(self, step: int) -> None:
-        """One live rank per role type records what it receives during `record_step`."""
-        lay, role = self.config.layout, self.role
-        if step != self.config.runtime.record_step or role is None or lay.pp == 1:
-            return
-        representative = lay.role_of_type(lay.role_type(role.pp), 0)
-        if role == representative:  # replica 0, TP rank 0, first stage of its type
-            self._recorder = Recorder()
-            self.groups["pp"].tap = self._recorder.tap
-
-    def _end_recording(self, committed: int | None) -> None:
-        if self._recorder is None:
-            return
-        recorder, self._recorder = self._recorder, None
-        self.groups["pp"].tap = None
-        if committed is not None and self.role is not None:
-            role_type = self.config.layout.role_type(self.role.pp)
-            try:
-                size = recorder.save(self.records, role_type)
-            except Exception:  # standbys then synthesise; training must not stop for it
-                self.log.exception("record_failed", role_type=role_type, step=committed)
-                return
-            self.log.info("recorded", role_type=role_type, bytes=size, step=committed)
+    # -- per step: checkpoints ---------------------------------------------------------
 
     def _maybe_checkpoint(self, step: int) -> None:
         every = self.config.runtime.checkpoint_every

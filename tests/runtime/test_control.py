@@ -6,6 +6,7 @@ import socket
 import pytest
 
 from trainmover.runtime import control as c
+from trainmover.runtime import controlconn
 
 
 @pytest.fixture
@@ -20,8 +21,8 @@ def pair():
             return c.CommitAck(accepted=True, passed=msg.step - 1)
         return c.Ack()
 
-    worker = c.Connection(left, on_request=on_request).start()
-    supervisor = c.Connection(right, on_event=events.put).start()
+    worker = controlconn.Connection(left, on_request=on_request).start()
+    supervisor = controlconn.Connection(right, on_event=events.put).start()
     yield supervisor, worker, events
     worker.close()
     supervisor.close()
@@ -35,7 +36,7 @@ def test_request_gets_its_typed_reply(pair):
 
 def test_handler_error_becomes_remote_error(pair):
     supervisor, _, _ = pair
-    with pytest.raises(c.RemoteError, match="negative step"):
+    with pytest.raises(controlconn.RemoteError, match="negative step"):
         supervisor.request(c.Commit(plan_id="p1", step=-1), timeout_s=5)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from trainmover.localjob import LocalJob
 from trainmover.runtime import control as c
+from trainmover.runtime import controlconn
 
 from .conftest import DP2, WAIT_S
 
@@ -24,7 +25,7 @@ def test_a_job_ended_early_finishes_every_rank_there_with_its_last_dump(tmp_path
     with LocalJob.launch(EARLY_CONFIG, tmp_path, standbys=0, limit=HELD, timeout_s=WAIT_S) as job:
         job.wait_step(HELD, timeout_s=WAIT_S)
         ranks = job.ranks()
-        with pytest.raises(c.RemoteError, match="already past it"):
+        with pytest.raises(controlconn.RemoteError, match="already past it"):
             job.control.request(ranks[0], c.Advance(limit=HELD - 1, last=True), WAIT_S)
         for ref in ranks:
             job.control.request(ref, c.Advance(limit=LAST, last=True), WAIT_S)
