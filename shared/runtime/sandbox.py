@@ -32,12 +32,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+import structlog
 import torch
 import torch.distributed as dist
 
 from trainmover.runtime import pipelines
 from trainmover.runtime.c10d import completed_work
-from trainmover.runtime.groups import C10dWork, Group
+from trainmover.runtime.groups import C10dWork, Group, GroupTable
 from trainmover.runtime.layout import GroupKind, Layout, Role
 from trainmover.runtime.plan import GroupSpec, RankRef
 from trainmover.runtime.steptime import InFlightSpan
@@ -103,6 +104,45 @@ class Recorder:
         # Last: a standby waiting for the recording (`await_record`) finds it whole.
         store.put(record_key(role_type), buf.getvalue())
         return buf.getbuffer().nbytes + len(shapes)
+
+
+class LiveRecording:
+    """A live rank's part in what standbys replay: one rank per role type (replica 0, TP
+    rank 0, the first stage of its type) taps its pipeline group during `record_step`,
+    and saves what it received once that step committed."""
+
+    def __init__(self, layout: Layout, record_step: int, store: RecordStore) -> None:
+        self._layout, self._record_step, self._store = layout, record_step, store
+        self._recorder: Recorder | None = None
+
+    def begin(self, step: int, role: Role | None, groups: GroupTable) -> None:
+        lay = self._layout
+        if step != self._record_step or role is None or lay.pp == 1:
+            return
+        if role == lay.role_of_type(lay.role_type(role.pp), 0):
+            self._recorder = Recorder()
+            groups["pp"].tap = self._recorder.tap
+
+    def end(
+        self,
+        committed: int | None,
+        role: Role | None,
+        groups: GroupTable,
+        log: structlog.stdlib.BoundLogger,
+    ) -> None:
+        """The step ended, committed (`committed`: its number) or discarded (None)."""
+        if self._recorder is None:
+            return
+        recorder, self._recorder = self._recorder, None
+        groups["pp"].tap = None
+        if committed is not None and role is not None:
+            role_type = self._layout.role_type(role.pp)
+            try:
+                size = recorder.save(self._store, role_type)
+            except Exception:  # standbys then synthesise; training must not stop for it
+                log.exception("record_failed", role_type=role_type, step=committed)
+                return
+            log.info("recorded", role_type=role_type, bytes=size, step=committed)
 
 
 def await_record(store: RecordStore, role_type: str, timeout_s: float) -> bool:
