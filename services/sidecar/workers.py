@@ -122,8 +122,12 @@ class MachineWorkers:
         """The vote store this launch's local rank 0 named ("" before its hello, or where
         each rank votes in the job's store)."""
         with self._lock:
-            named = self._machine_store
-            return named[1] if named is not None and named[0] == self.launch_id else ""
+            return self._named_by(self.launch_id) or ""
+
+    def _named_by(self, launch: str) -> str | None:
+        """The vote store local rank 0 of `launch` named (lock held); None before its hello."""
+        named = self._machine_store
+        return named[1] if named is not None and named[0] == launch else None
 
     def live(self) -> list[RankRef]:
         """This machine's ranks whose workers run and have not said goodbye."""
@@ -268,17 +272,14 @@ class MachineWorkers:
                 self._machine_store = (launch, hello.machine_store)
                 self._named.notify_all()
                 return launch, hello.machine_store
-
-            def named() -> bool:
-                return self._machine_store is not None and self._machine_store[0] == launch
-
-            if not self._named.wait_for(named, self.timeout_s):
+            self._named.wait_for(lambda: self._named_by(launch) is not None, self.timeout_s)
+            named = self._named_by(launch)
+            if named is None:
                 raise RuntimeError(
                     f"local rank 0 of {self.machine} said no hello within {self.timeout_s:.0f} s:"
                     f" no vote store for local rank {hello.local_rank} of launch {launch}"
                 )
-            assert self._machine_store is not None
-            return launch, self._machine_store[1]
+            return launch, named
 
     def _on_event(self, ref: RankRef, msg: c.Message) -> None:
         if ref.machine == self.machine and isinstance(msg, c.Switched) and msg.part == "leaver":
