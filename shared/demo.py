@@ -124,7 +124,17 @@ async def drain(cluster: LocalCluster, machine: str) -> MigrationRow:
     return await _migration(cluster, "drain", event_id)
 
 
+async def _warm_standby(cluster: LocalCluster) -> None:
+    """Until a standby is free and warm: a move goes to one (on a loaded host the last
+    standby may still be warming up when the scenario comes)."""
+    await cluster.wait_state(
+        lambda s: any(m.status == "standby" and m.warm_role_types for m in s.machines.values()),
+        WAIT_S,
+    )
+
+
 async def kill(cluster: LocalCluster, machine: str) -> MigrationRow:
+    await _warm_standby(cluster)  # a failure's downtime is its recovery, not a warm-up
     say(f"SIGKILL of every process of {machine} (a failure)")
     before = await cluster.client.status(cluster.job)
     cluster.stack.kill_machine(machine)
@@ -147,10 +157,7 @@ async def slow_down(cluster: LocalCluster, machine: str, extra_s: float = 0.5) -
     is not slowed."""
     # A straggler is moved only to a free warm standby (it is slow, not broken): wait for
     # one, e.g. the drained machine back from its maintenance.
-    await cluster.wait_state(
-        lambda s: any(m.status == "standby" and m.warm_role_types for m in s.machines.values()),
-        WAIT_S,
-    )
+    await _warm_standby(cluster)
     left = cluster.config.train.steps - max(cluster.steps.values(), default=0)
     if left < STRAGGLER_STEPS:
         raise DemoFailed(
