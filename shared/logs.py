@@ -6,9 +6,11 @@ logger bound to its context; bind `plan_id` (and `event_id`) while handling a pl
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import MutableMapping
 from typing import Any, TextIO
@@ -88,6 +90,21 @@ def _redact(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Mutabl
 def _redact_rendered(_logger: Any, _name: str, line: Any) -> Any:
     # Last line of defence: tracebacks are rendered after _redact ran.
     return redact_text(line) if isinstance(line, str) else line
+
+
+def stacks_on_sigusr1() -> None:
+    """The process writes the stack of each of its threads to its stderr at SIGUSR1 and
+    goes on (`kill -USR1 PID`): where a service or a worker waits, without a debugger."""
+    # An stderr without a file descriptor (a caller's capture) cannot take the dump:
+    # the process's own stderr can.
+    for stream in (sys.stderr, sys.__stderr__):
+        if stream is None:
+            continue
+        try:
+            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+            return
+        except (AttributeError, OSError, ValueError):
+            continue
 
 
 def configure(

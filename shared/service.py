@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import faulthandler
 import os
 import signal
 import sys
@@ -54,7 +53,7 @@ def run_service(
     # A stop asked for while the service still starts (imports, connecting) is a clean
     # stop too; once running, the event loop's handlers take over.
     signal.signal(signal.SIGTERM, _stop_while_starting)
-    _stacks_on_sigusr1()
+    logs.stacks_on_sigusr1()
     bad_settings: tuple[type[Exception], ...] = (SettingsError, *settings_errors)
     try:
         settings = load()
@@ -74,19 +73,6 @@ def run_service(
         return 130
     except _StoppedWhileStarting:
         return 0
-
-
-def _stacks_on_sigusr1() -> None:
-    # An stderr without a file descriptor (a caller's capture) cannot take the dump:
-    # the process's own stderr can.
-    for stream in (sys.stderr, sys.__stderr__):
-        if stream is None:
-            continue
-        try:
-            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
-            return
-        except (AttributeError, OSError, ValueError):
-            continue
 
 
 class _StoppedWhileStarting(BaseException):

@@ -19,8 +19,10 @@ _MIB = 1024 * 1024
 
 def configure(level: str | None = None, stream: TextIO | None = None) -> None:
     """Sets up logging in a worker: JSON lines on `stream` (default stderr), at `level`
-    (default from $TRAINMOVER_LOG_LEVEL, else info)."""
+    (default from $TRAINMOVER_LOG_LEVEL, else info); the threads' stacks go to stderr at
+    SIGUSR1, as a service's do."""
     logs.configure("json", level, stream)
+    logs.stacks_on_sigusr1()
 
 
 def get_logger(**context: Any) -> structlog.stdlib.BoundLogger:
